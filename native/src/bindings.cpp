@@ -1,0 +1,13 @@
+// pybind11 entry point of turbomq._native.
+#include <pybind11/pybind11.h>
+
+namespace py = pybind11;
+
+PYBIND11_MODULE(_native, m) {
+  m.doc() = "turbomq native core: KV cache manager and kernels";
+#ifdef TURBOMQ_WITH_CUDA
+  m.attr("with_cuda") = true;
+#else
+  m.attr("with_cuda") = false;
+#endif
+}

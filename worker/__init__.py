@@ -1,0 +1,1 @@
+"""turbomq.worker"""

@@ -1,0 +1,88 @@
+"""LLaMA forward pass over the paged KV cache.
+
+One forward serves every step shape: prefill chunks with history, decode
+tokens, or both mixed. Tokens arrive flattened with an AttentionBatch saying
+which sequence each belongs to; K/V are written into the pool, then attention
+reads each sequence's whole context through its block table."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from .config import ModelConfig
+from .kv_cache import PagedKVCache
+from .ops import AttentionBatch, ops_for
+from .rotary import cos_sin_table
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
+          "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unsupported dtype {name!r}; use fp32, fp16 or bf16") from None
+
+
+class LlamaModel:
+    def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor],
+                 device: torch.device | str = "cpu", dtype: Optional[torch.dtype] = None):
+        self.config = config
+        self.device = torch.device(device)
+        self.dtype = dtype or parse_dtype(config.torch_dtype)
+        self.ops = ops_for(self.device)
+        moved: dict[int, torch.Tensor] = {}  # keeps tied tensors shared after the move
+
+        def take(name: str) -> torch.Tensor:
+            t = tensors[name]
+            if id(t) not in moved:
+                moved[id(t)] = t.to(device=self.device, dtype=self.dtype).contiguous()
+            return moved[id(t)]
+
+        self.embed = take("embed.weight")
+        self.layers = [
+            {k: take(f"layers.{i}.{k}.weight")
+             for k in ("attn_norm", "qkv", "o", "mlp_norm", "gate_up", "down")}
+            for i in range(config.num_layers)]
+        self.norm = take("norm.weight")
+        self.lm_head = take("lm_head.weight")
+        self.cos_sin = cos_sin_table(config, config.max_position_embeddings, self.device)
+        self.scale = config.head_dim ** -0.5
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, batch: AttentionBatch, kv: PagedKVCache,
+                logits_indices: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """input_ids: [T]. Returns float32 logits of the rows in `logits_indices`
+        (default: the last new token of every sequence), [N, vocab]."""
+        cfg, ops = self.config, self.ops
+        t = input_ids.shape[0]
+        h = self.embed[input_ids]
+        residual = None
+        for layer, layer_kv in zip(self.layers, kv.layers):
+            if residual is None:
+                residual = h
+                x = ops.rms_norm(h, layer["attn_norm"], cfg.rms_norm_eps)
+            else:
+                x, residual = ops.add_rms_norm(h, residual, layer["attn_norm"], cfg.rms_norm_eps)
+            qkv = F.linear(x, layer["qkv"])
+            q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+            q = q.reshape(t, cfg.num_heads, cfg.head_dim)
+            k = k.reshape(t, cfg.num_kv_heads, cfg.head_dim)
+            v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
+            q, k = ops.rotary(q, k, batch.positions, self.cos_sin)
+            ops.write_kv(layer_kv, k, v, batch.slot_mapping)
+            attn = ops.paged_attention(q, layer_kv, batch, self.scale)
+            h = F.linear(attn.reshape(t, cfg.q_size), layer["o"])
+            x, residual = ops.add_rms_norm(h, residual, layer["mlp_norm"], cfg.rms_norm_eps)
+            h = F.linear(ops.silu_mul(F.linear(x, layer["gate_up"])), layer["down"])
+        if logits_indices is None:
+            logits_indices = (batch.cu_q_lens[1:] - 1).long()
+        h = h[logits_indices] + residual[logits_indices]
+        h = ops.rms_norm(h, self.norm, cfg.rms_norm_eps)
+        return F.linear(h, self.lm_head).float()

@@ -1,0 +1,137 @@
+"""The `turbomq` command. Each subcommand imports what it needs when it runs,
+so `turbomq --help` and light commands stay fast."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Optional, Sequence
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="model directory (HF, Meta or converted)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], default=None,
+                   help="compute dtype (default: the checkpoint's)")
+    p.add_argument("--kv-dtype", default="auto", choices=["auto", "fp32", "fp16", "bf16", "int8"])
+    p.add_argument("--max-batch-size", type=int, default=8, help="slots of the persistent batch")
+    p.add_argument("--block-size", type=int, default=64, help="tokens per KV block")
+    p.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="KV pool size in blocks (default: sized from memory)")
+
+
+def _engine_config(args: argparse.Namespace):
+    from .engine import EngineConfig
+    return EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
+                        kv_dtype=args.kv_dtype, max_batch_size=args.max_batch_size,
+                        block_size=args.block_size, num_kv_blocks=args.num_kv_blocks)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from .engine import Engine
+    from .errors import EngineError
+    from .sampling import InvalidParams, SamplingParams
+
+    try:
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                                top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+        engine = Engine(_engine_config(args))
+        inputs = {"prompt": args.prompt} if args.prompt is not None else {"input_ids": args.input_ids}
+        if args.json:
+            batch = {"prompts": [args.prompt]} if args.prompt is not None else {"input_ids": [args.input_ids]}
+            result = engine.generate(params=params, **batch)[0]
+            if result.error is not None:
+                raise result.error
+            print(json.dumps({"token_ids": result.token_ids, "text": result.text,
+                              "finish_reason": result.finish_reason,
+                              "usage": vars(result.usage)}))
+            return 0
+        final = {}
+
+        def show(event) -> None:
+            sys.stdout.write(event.text)
+            sys.stdout.flush()
+            if event.finished:
+                final["event"] = event
+
+        engine.submit(params=params, callback=show, **inputs)
+        while "event" not in final:
+            engine.step()
+        sys.stdout.write("\n")
+        event = final["event"]
+        if event.error is not None:
+            raise event.error
+        print(f"[{event.finish_reason}; prompt {event.usage.prompt_tokens} tokens, "
+              f"generated {event.usage.completion_tokens}]", file=sys.stderr)
+        return 0
+    except (EngineError, InvalidParams, ValueError) as e:
+        print(f"turbomq generate: error: {e}", file=sys.stderr)
+        return 2
+
+
+def cmd_demo_model(args: argparse.Namespace) -> int:
+    from .demo import write_demo_model
+    path = write_demo_model(args.out_dir, seed=args.seed)
+    print(path)
+    return 0
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from .model import parse_dtype
+    from .weights import CheckpointError, convert_checkpoint
+    try:
+        convert_checkpoint(args.src, args.dst, dtype=parse_dtype(args.dtype) if args.dtype else None)
+    except (CheckpointError, ValueError) as e:
+        print(f"turbomq convert: error: {e}", file=sys.stderr)
+        return 2
+    print(args.dst)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="turbomq", description="LLaMA-family inference: persistent batch, paged LRU KV cache")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = sub.add_parser("generate", help="generate from one prompt in-process, streaming to stdout")
+    _add_engine_args(p)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--input-ids", type=_int_list, help="prompt token IDs, e.g. 1,2,3")
+    p.add_argument("--max-tokens", type=int, default=64, help="new tokens to generate")
+    p.add_argument("--temperature", type=float, default=1.0, help="0 means greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0 disables")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object: token_ids, text, finish_reason, usage")
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("demo-model", help="write the built-in demo model (HF format)")
+    p.add_argument("out_dir")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_demo_model)
+
+    p = sub.add_parser("convert", help="convert a HF or Meta checkpoint to turbomq's form")
+    p.add_argument("src")
+    p.add_argument("dst")
+    p.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], default=None)
+    p.set_defaults(func=cmd_convert)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,538 @@
+"""The engine: a persistent batch over the paged LRU KV cache.
+
+One step thread owns the scheduler, the KV manager and the model; other
+threads talk to it through an inbox (submissions, cancels) and get tokens back
+through per-request callbacks invoked at the end of every step."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+import uuid
+from pathlib import Path
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Callable, Optional, Sequence as Seq, Union
+
+import numpy as np
+import torch
+
+from . import errors
+from .kv_cache import PagedKVCache, resolve_kv_dtype
+from .model import LlamaModel, parse_dtype
+from .ops import AttentionBatch
+from .output import TextStream
+from .sampling import SamplingParams, SeedRNG, sample
+from .scheduler import AllocPolicy, Scheduler, SchedulerConfig, Sequence, SeqStatus
+from .session_store import InMemorySessionStore, SessionStore, SessionStoreError
+from .tokenizer import Tokenizer
+from .weights import load_checkpoint
+from .._native import KVCacheManager
+
+log = logging.getLogger("turbomq.engine")
+
+CPU_KV_BYTES_DEFAULT = 1 << 30  # pool cap on CPU when num_kv_blocks is not given
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    device: str = "cpu"
+    dtype: Optional[str] = None  # fp32 | fp16 | bf16; None: the checkpoint's
+    max_batch_size: int = 8  # slots of the persistent batch
+    block_size: int = 64
+    num_kv_blocks: Optional[int] = None  # None: sized from memory
+    kv_cache_fraction: float = 0.9  # of free device memory after weights (CUDA)
+    kv_dtype: str = "auto"  # auto | fp16 | bf16 | fp32 | int8
+    max_num_batched_tokens: int = 512  # token budget of one step (chunked prefill)
+    max_model_len: Optional[int] = None  # None: the model's max_position_embeddings
+    alloc_policy: str = "on_demand"  # upfront | on_demand | reserved
+    reserved_tokens: int = 64
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int  # session history + this turn's prompt
+    cached_tokens: int  # of those, reused from resident KV
+    completion_tokens: int
+
+
+@dataclass
+class StreamEvent:
+    request_id: str
+    token_ids: list[int]  # new since the last event
+    text: str  # new text since the last event
+    finished: bool = False
+    finish_reason: Optional[str] = None  # stop | length | cancelled | error
+    usage: Optional[Usage] = None
+    error: Optional[errors.EngineError] = None
+
+
+@dataclass
+class GenerationResult:
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: Optional[str]
+    usage: Optional[Usage]
+    error: Optional[errors.EngineError] = None
+
+
+Callback = Callable[[StreamEvent], None]
+
+
+@dataclass
+class _EndSession:
+    session_id: str
+    had_kv: bool = False
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass(eq=False)
+class _Request:
+    seq: Sequence
+    new_prompt: list[int]
+    text: TextStream
+    rng: SeedRNG
+    callback: Callback
+    cancelled: bool = False
+    emitted_tokens: int = 0
+    submitted: float = field(default_factory=time.monotonic)
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, session_store: Optional[SessionStore] = None):
+        self.config = config
+        self.device = torch.device(config.device)
+        checkpoint = load_checkpoint(config.model)
+        dtype = parse_dtype(config.dtype) if config.dtype else None
+        self.model = LlamaModel(checkpoint.config, checkpoint.tensors, self.device, dtype)
+        del checkpoint
+        self.model_config = self.model.config
+        # A model without tokenizer.json still serves token IDs (no text).
+        self.tokenizer = (Tokenizer.from_dir(config.model)
+                          if (Path(config.model) / "tokenizer.json").exists() else None)
+        self.eos_ids = set(self.model_config.eos_token_ids)
+        if self.tokenizer is not None:
+            self.eos_ids |= set(self.tokenizer.eos_token_ids)
+        self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
+                                 self.model_config.max_position_embeddings)
+        kv_dtype = resolve_kv_dtype(config.kv_dtype, self.model.dtype)
+        num_blocks = self._num_kv_blocks(kv_dtype)
+        mc = self.model_config
+        self.kv_cache = PagedKVCache(mc.num_layers, num_blocks, config.block_size,
+                                     mc.num_kv_heads, mc.head_dim, kv_dtype, self.device)
+        self.kv_manager = KVCacheManager(num_blocks, config.block_size)
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_batch_size=config.max_batch_size,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=self.max_model_len, block_size=config.block_size,
+            alloc_policy=AllocPolicy(config.alloc_policy),
+            reserved_tokens=config.reserved_tokens), self.kv_manager)
+        self.session_store: SessionStore = session_store or InMemorySessionStore()
+
+        self._inbox: "queue.SimpleQueue[tuple[str, object]]" = queue.SimpleQueue()
+        self._lock = threading.Lock()  # guards _live and _busy_sessions
+        self._live: dict[str, _Request] = {}
+        self._busy_sessions: set[str] = set()
+        self._session_keys: dict[str, int] = {}
+        self._session_kv_tokens: dict[str, list[int]] = {}  # tokens whose KV is resident
+        self._keys = itertools.count(1)
+        self._wakeup = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._stopping = False
+        self.counters = {"requests_finished": 0, "prompt_tokens": 0, "generated_tokens": 0,
+                         "reused_tokens": 0, "reprefilled_tokens": 0, "steps": 0}
+
+    # ------------------------------------------------------------------ sizing
+    def _num_kv_blocks(self, kv_dtype: torch.dtype) -> int:
+        cfg, mc = self.config, self.model_config
+        per_block = PagedKVCache.bytes_per_block(mc.num_layers, cfg.block_size, mc.num_kv_heads,
+                                                 mc.head_dim, kv_dtype)
+        if cfg.num_kv_blocks is not None:
+            if cfg.num_kv_blocks < 1:
+                raise ValueError("num_kv_blocks must be >= 1")
+            return cfg.num_kv_blocks
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free * cfg.kv_cache_fraction)
+        else:
+            want = cfg.max_batch_size * self.max_model_len * per_block // cfg.block_size
+            budget = min(want + per_block, CPU_KV_BYTES_DEFAULT)
+        return max(budget // per_block, 1)
+
+    @property
+    def max_tokens_in_pool(self) -> int:
+        return self.kv_manager.num_blocks * self.config.block_size
+
+    # ------------------------------------------------------------ public API
+    def submit(self, input_ids: Optional[Seq[int]] = None, params: Optional[SamplingParams] = None,
+               session_id: Optional[str] = None, callback: Optional[Callback] = None,
+               prompt: Optional[str] = None, request_id: Optional[str] = None) -> str:
+        """Queue one request; tokens reach `callback` from the step thread.
+        Raises a typed EngineError for bad input; nothing is queued then."""
+        params = params or SamplingParams()
+        params.validate(self.model_config.vocab_size)
+        if (input_ids is None) == (prompt is None):
+            raise errors.InvalidRequest("give exactly one of prompt or input_ids")
+        if params.stop and self.tokenizer is None:
+            raise errors.InvalidRequest("stop strings need a model with a tokenizer")
+        if prompt is not None:
+            if self.tokenizer is None:
+                raise errors.InvalidRequest("this model has no tokenizer: send input_ids")
+            if not isinstance(prompt, str):
+                raise errors.InvalidRequest("prompt must be a string")
+            input_ids = self.tokenizer.encode(prompt, add_bos=session_id is None or
+                                              not self._session_has_history(session_id))
+        new_prompt = self._check_ids(input_ids)
+        if session_id is not None and not isinstance(session_id, str):
+            raise errors.InvalidRequest("session_id must be a string")
+        request_id = request_id or uuid.uuid4().hex
+        history: list[int] = []
+        if session_id is not None:
+            with self._lock:
+                if session_id in self._busy_sessions:
+                    raise errors.SessionBusy(f"session {session_id!r} already has a request in flight")
+                self._busy_sessions.add(session_id)
+            try:
+                history = self._read_history(session_id)
+            except errors.EngineError:
+                with self._lock:
+                    self._busy_sessions.discard(session_id)
+                raise
+        tokens = history + new_prompt
+        limit = min(self.max_model_len, self.max_tokens_in_pool)
+        if len(tokens) >= limit:
+            if session_id is not None:
+                with self._lock:
+                    self._busy_sessions.discard(session_id)
+            raise errors.PromptTooLong(
+                f"prompt of {len(new_prompt)} tokens plus {len(history)} session tokens leaves no "
+                f"room to generate within the context limit of {limit} tokens")
+        seq = Sequence(request_id=request_id, kv_key=0, session_id=session_id, tokens=tokens,
+                       prompt_len=len(tokens), params=params, history_len=len(history))
+        req = _Request(seq=seq, new_prompt=new_prompt,
+                       text=TextStream(self.tokenizer, tokens[-8:], params.stop),
+                       rng=SeedRNG(params.seed), callback=callback or (lambda _e: None))
+        with self._lock:
+            if request_id in self._live:
+                raise errors.InvalidRequest(f"request id {request_id!r} is already in use")
+            self._live[request_id] = req
+        self._inbox.put(("submit", req))
+        self._wakeup.set()
+        return request_id
+
+    def cancel(self, request_id: str) -> None:
+        with self._lock:
+            if request_id not in self._live:
+                raise errors.UnknownRequest(f"no request {request_id!r} in flight (finished or never submitted)")
+        self._inbox.put(("cancel", request_id))
+        self._wakeup.set()
+
+    def end_session(self, session_id: str) -> None:
+        """Forget a session: its KV blocks and its stored token IDs."""
+        with self._lock:
+            if session_id in self._busy_sessions:
+                raise errors.SessionBusy(f"session {session_id!r} has a request in flight")
+        try:
+            in_store = self.session_store.drop(session_id)
+        except SessionStoreError as e:
+            raise errors.SessionStoreUnavailable(str(e)) from e
+        ending = _EndSession(session_id)
+        self._inbox.put(("end_session", ending))
+        self._wakeup.set()
+        if self._thread is None:
+            self._drain_inbox()
+        ending.done.wait()
+        if not (in_store or ending.had_kv):
+            raise errors.UnknownSession(f"no session {session_id!r}")
+
+    def generate(self, prompts: Optional[Union[str, Seq[str]]] = None,
+                 input_ids: Optional[Seq[Seq[int]]] = None,
+                 params: Optional[SamplingParams] = None,
+                 session_id: Optional[str] = None) -> list[GenerationResult]:
+        """Offline batch generation; one result per input, in order."""
+        if (prompts is None) == (input_ids is None):
+            raise errors.InvalidRequest("give exactly one of prompts or input_ids")
+        inputs = [prompts] if isinstance(prompts, str) else list(prompts if prompts is not None else input_ids)
+        if session_id is not None and len(inputs) != 1:
+            raise errors.InvalidRequest("a session takes one input per call")
+        results: dict[str, GenerationResult] = {}
+        done = threading.Event()
+        ids: list[str] = []
+
+        def collect(event: StreamEvent) -> None:
+            r = results[event.request_id]
+            r.token_ids.extend(event.token_ids)
+            r.text += event.text
+            if event.finished:
+                r.finish_reason, r.usage, r.error = event.finish_reason, event.usage, event.error
+                if all(results[i].finish_reason is not None for i in ids):
+                    done.set()
+
+        for item in inputs:
+            rid = uuid.uuid4().hex
+            results[rid] = GenerationResult(rid, [], "", None, None)
+            ids.append(rid)
+            kwargs = {"prompt": item} if prompts is not None else {"input_ids": item}
+            try:
+                self.submit(params=params, session_id=session_id, callback=collect,
+                            request_id=rid, **kwargs)
+            except errors.EngineError:
+                for submitted in ids[:-1]:
+                    self.cancel(submitted)
+                self._wait(done, ids, results)
+                raise
+        self._wait(done, ids, results)
+        return [results[i] for i in ids]
+
+    async def stream(self, input_ids: Optional[Seq[int]] = None,
+                     params: Optional[SamplingParams] = None, session_id: Optional[str] = None,
+                     prompt: Optional[str] = None) -> AsyncIterator[StreamEvent]:
+        """Async streaming form: yields an event per step until the request finishes.
+        Runs the step loop in its background thread."""
+        self.start()
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[StreamEvent] = asyncio.Queue()
+        rid = self.submit(input_ids=input_ids, params=params, session_id=session_id, prompt=prompt,
+                          callback=lambda e: loop.call_soon_threadsafe(events.put_nowait, e))
+        try:
+            while True:
+                event = await events.get()
+                yield event
+                if event.finished:
+                    return
+        finally:
+            with self._lock:
+                live = rid in self._live
+            if live:
+                self.cancel(rid)
+
+    def stats(self) -> dict:
+        kv = self.kv_manager.stats()
+        return {
+            "evictions": kv["evictions"],
+            "evicted_tokens": kv["evicted_tokens"],
+            "cache_hits": self.scheduler.cache_hits,
+            "cache_misses": self.scheduler.cache_misses,
+            "preemptions": self.scheduler.preemptions,
+            "slots_total": self.config.max_batch_size,
+            "slots_active": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "kv_blocks_total": self.kv_manager.num_blocks,
+            "kv_blocks_used": self.kv_manager.num_used_blocks,
+            "sessions_active": kv["active"], "sessions_cached": kv["cached"],
+            "sessions_evicted": kv["evicted"],
+            **self.counters,
+        }
+
+    # ------------------------------------------------------- step thread
+    def start(self) -> None:
+        if self._thread is None:
+            self._stopping = False
+            self._thread = threading.Thread(target=self._loop, name="turbomq-engine", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self._stopping = True
+            self._wakeup.set()
+            self._thread.join()
+            self._thread = None
+
+    def _loop(self) -> None:
+        while not self._stopping:
+            if not self.step():
+                self._wakeup.wait(0.05)
+                self._wakeup.clear()
+
+    def _wait(self, done: threading.Event, ids: list[str], results: dict) -> None:
+        if not ids:
+            return
+        if self._thread is not None:
+            done.wait()
+            return
+        while not done.is_set():
+            self.step()
+
+    def step(self) -> bool:
+        """Run one step; False when there was nothing to do."""
+        self._drain_inbox()
+        if not self.scheduler.has_work():
+            return False
+        plan = self.scheduler.schedule()
+        if plan.empty:
+            return True
+        try:
+            self._run(plan)
+        except Exception as exc:  # a failed forward fails its requests, not the engine
+            log.exception("step failed")
+            for item in plan.scheduled:
+                req = self._live.get(item.seq.request_id)
+                if req is not None and item.seq.status is SeqStatus.RUNNING:
+                    self._finish(req, "error", keep_kv=False,
+                                 error=errors.EngineError(f"step failed: {exc}"))
+        self.counters["steps"] += 1
+        return True
+
+    def _run(self, plan) -> None:
+        bs = self.config.block_size
+        q_lens, ctx_lens, ids, keys = [], [], [], []
+        for item in plan.scheduled:
+            seq = item.seq
+            start = seq.num_computed
+            ids.extend(seq.tokens[start:start + item.num_new_tokens])
+            q_lens.append(item.num_new_tokens)
+            ctx_lens.append(start + item.num_new_tokens)
+            keys.append(seq.kv_key)
+        width = (max(ctx_lens) + bs - 1) // bs
+        tables = self.kv_manager.block_tables(keys, width)
+        batch = AttentionBatch.build(q_lens, ctx_lens, tables, bs, self.device)
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        rows = [i for i, item in enumerate(plan.scheduled) if item.samples]
+        sampled: dict[int, int] = {}
+        if rows:
+            last = batch.cu_q_lens[1:].long() - 1
+            logits = self.model.forward(input_ids, batch, self.kv_cache, last[rows])
+            seqs = [plan.scheduled[i].seq for i in rows]
+            reqs = [self._live[s.request_id] for s in seqs]
+            tokens = sample(logits, [s.params for s in seqs], [r.rng for r in reqs],
+                            [s.tokens for s in seqs]).tolist()
+            sampled = {id(s): t for s, t in zip(seqs, tokens)}
+        else:
+            self.model.forward(input_ids, batch, self.kv_cache, batch.cu_q_lens[1:2].long() - 1)
+        self.scheduler.commit(plan, sampled)
+        for item in plan.scheduled:
+            if id(item.seq) in sampled:
+                self._on_token(self._live[item.seq.request_id], sampled[id(item.seq)])
+
+    def _on_token(self, req: _Request, token: int) -> None:
+        seq, params = req.seq, req.seq.params
+        if seq.num_generated == 1:
+            self.counters["reused_tokens"] += seq.cached_tokens
+        delta, hit_stop = req.text.push(token)
+        reason = None
+        if hit_stop or token in params.stop_token_ids or (token in self.eos_ids and not params.ignore_eos):
+            reason = "stop"
+        elif seq.num_generated >= params.max_tokens or len(seq.tokens) >= self.max_model_len:
+            reason = "length"
+        if reason is None:
+            self._emit(req, delta)
+            return
+        if not hit_stop:
+            delta += req.text.finish()
+        self._finish(req, reason, keep_kv=seq.session_id is not None, delta=delta)
+
+    def _emit(self, req: _Request, delta: str, **final) -> None:
+        new = req.seq.generated[req.emitted_tokens:]
+        req.emitted_tokens += len(new)
+        event = StreamEvent(req.seq.request_id, new, delta, **final)
+        try:
+            req.callback(event)
+        except Exception:  # a consumer's bug must not stop the batch
+            log.exception("stream callback failed for %s", req.seq.request_id)
+
+    def _finish(self, req: _Request, reason: str, keep_kv: bool, delta: str = "",
+                error: Optional[errors.EngineError] = None) -> None:
+        seq = req.seq
+        session = seq.session_id
+        if session is not None and error is None and reason != "cancelled":
+            # The turn is durable before its final event reaches anyone.
+            try:
+                self.session_store.append_tokens(session, seq.tokens[seq.history_len:])
+            except SessionStoreError as e:
+                error, reason, keep_kv = errors.SessionStoreUnavailable(str(e)), "error", False
+        if session is not None:
+            if keep_kv and error is None and reason != "cancelled":
+                self._session_kv_tokens[session] = seq.tokens[:seq.num_computed]
+            else:
+                self._forget_session_kv(session, seq)
+                keep_kv = False
+        self.scheduler.finish(seq, reason, keep_kv=keep_kv)
+        self.counters["requests_finished"] += 1
+        self.counters["prompt_tokens"] += seq.prompt_len
+        self.counters["generated_tokens"] += seq.num_generated
+        self.counters["reprefilled_tokens"] += seq.reprefilled_tokens
+        usage = Usage(seq.prompt_len, seq.cached_tokens, seq.num_generated)
+        with self._lock:
+            self._live.pop(seq.request_id, None)
+            if session is not None:
+                self._busy_sessions.discard(session)
+        self._emit(req, delta, finished=True, finish_reason=reason, usage=usage, error=error)
+
+    def _forget_session_kv(self, session: str, seq: Sequence) -> None:
+        self._session_kv_tokens.pop(session, None)
+        key = self._session_keys.pop(session, None)
+        if key is not None and key != seq.kv_key and self.kv_manager.contains(key):
+            self.kv_manager.erase(key)
+
+    # ----------------------------------------------------------- inbox
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, payload = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "submit":
+                self._admit_request(payload)
+            elif kind == "cancel":
+                req = self._live.get(payload)
+                if req is not None and req.seq.status is not SeqStatus.FINISHED:
+                    self._finish(req, "cancelled", keep_kv=False)
+            elif kind == "end_session":
+                key = self._session_keys.pop(payload.session_id, None)
+                self._session_kv_tokens.pop(payload.session_id, None)
+                payload.had_kv = key is not None
+                if key is not None and self.kv_manager.contains(key):
+                    self.kv_manager.erase(key)
+                payload.done.set()
+
+    def _admit_request(self, req: _Request) -> None:
+        seq = req.seq
+        sid = seq.session_id
+        if sid is None:
+            seq.kv_key = next(self._keys)
+        else:
+            key = self._session_keys.get(sid)
+            resident = self._session_kv_tokens.get(sid)
+            history = seq.tokens[:seq.history_len]
+            if key is not None and (resident is None or history[:len(resident)] != resident):
+                # The session moved on elsewhere (or was rebuilt): our KV is stale.
+                if self.kv_manager.contains(key):
+                    self.kv_manager.erase(key)
+                key = None
+            if key is None:
+                key = next(self._keys)
+                self._session_keys[sid] = key
+            seq.kv_key = key
+        self.scheduler.add(seq)
+
+    # ----------------------------------------------------------- helpers
+    def _session_has_history(self, session_id: str) -> bool:
+        try:
+            return bool(self.session_store.get_tokens(session_id))
+        except SessionStoreError as e:
+            raise errors.SessionStoreUnavailable(str(e)) from e
+
+    def _read_history(self, session_id: str) -> list[int]:
+        try:
+            return self.session_store.get_tokens(session_id) or []
+        except SessionStoreError as e:
+            raise errors.SessionStoreUnavailable(str(e)) from e
+
+    def _check_ids(self, input_ids: object) -> list[int]:
+        if isinstance(input_ids, (str, bytes)) or not hasattr(input_ids, "__iter__"):
+            raise errors.InvalidRequest("input_ids must be a list of integers")
+        ids = list(input_ids)
+        if not ids:
+            raise errors.InvalidRequest("prompt is empty")
+        vocab = self.model_config.vocab_size
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
+                raise errors.InvalidRequest(f"input_ids must be integers, got {type(t).__name__}")
+            if not 0 <= t < vocab:
+                raise errors.InvalidRequest(f"token id {t} outside the vocabulary [0, {vocab})")
+        return [int(t) for t in ids]

@@ -1,0 +1,303 @@
+"""The persistent batch: N slots and a waiting queue. Pure bookkeeping — no
+tensors. Each step it decides which sequences run and how many new tokens
+each feeds; the KV cache manager (native) decides which blocks hold them.
+
+Policy (see docs/engine.md):
+- Decode first: every running sequence past its prompt gets one token.
+- Then prefill chunks: running sequences still prefilling, oldest first, then
+  waiting requests in arrival order (FCFS) while slots and token budget last.
+  The head of the queue is never overtaken, so a long prompt cannot starve.
+- When the pool is short, the manager evicts least recently used cached
+  sessions; if that is not enough, the newest running sequence is preempted
+  (its KV dropped, re-prefilled later from its token IDs).
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Optional
+
+from .sampling import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class AllocPolicy(str, enum.Enum):
+    UPFRONT = "upfront"  # blocks for prompt + max_tokens at admission
+    ON_DEMAND = "on_demand"  # blocks for each step's tokens only
+    RESERVED = "reserved"  # prompt + a reserved minimum at admission, then on demand
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_batch_size: int = 8
+    max_num_batched_tokens: int = 512
+    max_model_len: int = 4096
+    block_size: int = 64
+    alloc_policy: AllocPolicy = AllocPolicy.ON_DEMAND
+    reserved_tokens: int = 64
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    kv_key: int  # id in the KV cache manager
+    session_id: Optional[str]
+    tokens: list[int]  # full context: session history + new prompt + generated
+    prompt_len: int  # len(tokens) before generation
+    params: SamplingParams
+    history_len: int = 0  # session tokens from earlier turns
+    arrival: float = field(default_factory=time.monotonic)
+    status: SeqStatus = SeqStatus.WAITING
+    slot: Optional[int] = None
+    num_computed: int = 0  # tokens whose KV is in the pool
+    cached_tokens: int = 0  # tokens reused from a resident session at admission
+    reprefilled_tokens: int = 0  # history recomputed after an eviction
+    finish_reason: Optional[str] = None
+    first_admitted: Optional[float] = None
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+    @property
+    def generated(self) -> list[int]:
+        return self.tokens[self.prompt_len:]
+
+    @property
+    def in_decode(self) -> bool:
+        return self.num_computed == len(self.tokens) - 1
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether this chunk reaches the end of the known tokens, so its last
+        logits give the next token."""
+        return self.seq.num_computed + self.num_new_tokens == len(self.seq.tokens)
+
+
+@dataclass
+class StepPlan:
+    scheduled: list[ScheduledSeq]
+    evicted_keys: list[int]
+    preempted: list[Sequence]
+
+    @property
+    def empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_manager) -> None:
+        self.config = config
+        self.kv = kv_manager
+        self.slots: list[Optional[Sequence]] = [None] * config.max_batch_size
+        self.waiting: deque[Sequence] = deque()
+        self._admit_order = itertools.count()
+        self._admitted_at: dict[int, int] = {}  # id(seq) -> admission counter, for preemption
+        self.cache_hits = 0
+        self.cache_misses = 0
+        self.preemptions = 0
+
+    # -- queries -------------------------------------------------------------
+    @property
+    def running(self) -> list[Sequence]:
+        return [s for s in self.slots if s is not None]
+
+    @property
+    def num_free_slots(self) -> int:
+        return sum(1 for s in self.slots if s is None)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting) or any(s is not None for s in self.slots)
+
+    def max_tokens_in_pool(self) -> int:
+        return self.kv.num_blocks * self.config.block_size
+
+    # -- requests ------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def remove_waiting(self, seq: Sequence) -> None:
+        self.waiting.remove(seq)
+
+    # -- one step ------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        plan = StepPlan([], [], [])
+        budget = self.config.max_num_batched_tokens
+
+        # 1. decode tokens of running sequences (oldest first)
+        for seq in self._running_by_age():
+            if seq.status is not SeqStatus.RUNNING or not seq.in_decode:
+                continue
+            if budget < 1:
+                break
+            if not self._reserve(seq, seq.num_computed + 1, plan):
+                continue  # seq itself was preempted
+            plan.scheduled.append(ScheduledSeq(seq, 1))
+            budget -= 1
+
+        # 2. prefill chunks of running sequences still in their prompt
+        for seq in self._running_by_age():
+            if budget < 1:
+                break
+            if seq.status is not SeqStatus.RUNNING or seq.in_decode or self._is_scheduled(seq, plan):
+                continue
+            n = min(len(seq.tokens) - seq.num_computed, budget)
+            if not self._reserve(seq, seq.num_computed + n, plan):
+                continue
+            plan.scheduled.append(ScheduledSeq(seq, n))
+            budget -= n
+
+        # 3. admit waiting requests, FCFS, while slots and budget last
+        while self.waiting and budget >= 1 and self.num_free_slots:
+            seq = self.waiting[0]
+            if not self._admit(seq, plan):
+                break  # head of line waits for blocks; nobody overtakes it
+            self.waiting.popleft()
+            n = min(len(seq.tokens) - seq.num_computed, budget)
+            if not self._reserve(seq, seq.num_computed + n, plan, may_preempt=False):
+                # cannot happen after _admit reserved at least this much; keep it safe
+                self._unadmit(seq)
+                self.waiting.appendleft(seq)
+                break
+            plan.scheduled.append(ScheduledSeq(seq, n))
+            budget -= n
+        return plan
+
+    def commit(self, plan: StepPlan, sampled: dict[int, int]) -> None:
+        """Record a finished forward: each scheduled chunk's KV is written, and
+        sequences that sampled get their new token. `sampled` maps id(seq) to token."""
+        for item in plan.scheduled:
+            seq = item.seq
+            if seq.status is not SeqStatus.RUNNING:
+                continue  # cancelled while the step ran
+            seq.num_computed += item.num_new_tokens
+            self.kv.set_num_tokens(seq.kv_key, seq.num_computed)
+            token = sampled.get(id(seq))
+            if token is not None:
+                seq.tokens.append(token)
+
+    def finish(self, seq: Sequence, reason: str, keep_kv: bool) -> None:
+        """Free the slot at once. A session's KV stays cached for its next turn;
+        anything else is erased."""
+        if seq.status is SeqStatus.WAITING:
+            if seq in self.waiting:
+                self.waiting.remove(seq)
+            if self.kv.contains(seq.kv_key) and not keep_kv:
+                self.kv.erase(seq.kv_key)
+        elif seq.status is SeqStatus.RUNNING:
+            self.slots[seq.slot] = None
+            self._admitted_at.pop(id(seq), None)
+            if keep_kv:
+                self.kv.release(seq.kv_key)
+            else:
+                self.kv.erase(seq.kv_key)
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+        seq.slot = None
+
+    # -- internals -------------------------------------------------------------
+    def _running_by_age(self) -> list[Sequence]:
+        return sorted(self.running, key=lambda s: self._admitted_at[id(s)])
+
+    @staticmethod
+    def _is_scheduled(seq: Sequence, plan: StepPlan) -> bool:
+        return any(item.seq is seq for item in plan.scheduled)
+
+    def _admission_target(self, seq: Sequence) -> int:
+        """Tokens to hold blocks for at admission, by allocation policy."""
+        cfg = self.config
+        if cfg.alloc_policy is AllocPolicy.UPFRONT:
+            want = seq.prompt_len + seq.params.max_tokens
+        elif cfg.alloc_policy is AllocPolicy.RESERVED:
+            want = len(seq.tokens) + cfg.reserved_tokens
+        else:
+            want = len(seq.tokens)
+        return min(want, cfg.max_model_len, self.max_tokens_in_pool())
+
+    def _admit(self, seq: Sequence, plan: StepPlan) -> bool:
+        kv = self.kv
+        existed = kv.contains(seq.kv_key)
+        resident = kv.acquire(seq.kv_key)
+        # Never trust more resident KV than this turn's tokens explain, and keep
+        # at least one token to compute so there are logits to sample from.
+        resident = min(resident, len(seq.tokens) - 1)
+        if not kv.reserve(seq.kv_key, max(self._admission_target(seq), resident + 1)):
+            self._unadmit_kv(seq, existed)
+            return False
+        plan.evicted_keys.extend(kv.last_evicted())
+        if seq.session_id is not None and seq.first_admitted is None:
+            if seq.history_len > 0:
+                if resident > 0:
+                    self.cache_hits += 1
+                else:
+                    self.cache_misses += 1
+                    seq.reprefilled_tokens = seq.history_len
+        if seq.first_admitted is None:
+            seq.first_admitted = time.monotonic()
+            seq.cached_tokens = resident
+        seq.num_computed = resident
+        kv.set_num_tokens(seq.kv_key, resident)
+        slot = self.slots.index(None)
+        self.slots[slot] = seq
+        seq.slot = slot
+        seq.status = SeqStatus.RUNNING
+        self._admitted_at[id(seq)] = next(self._admit_order)
+        return True
+
+    def _unadmit_kv(self, seq: Sequence, existed: bool) -> None:
+        if existed and seq.session_id is not None:
+            self.kv.release(seq.kv_key)
+        else:
+            self.kv.erase(seq.kv_key)
+
+    def _unadmit(self, seq: Sequence) -> None:
+        self.slots[seq.slot] = None
+        self._admitted_at.pop(id(seq), None)
+        self._unadmit_kv(seq, True)
+        seq.slot = None
+        seq.status = SeqStatus.WAITING
+
+    def _reserve(self, seq: Sequence, num_tokens: int, plan: StepPlan,
+                 may_preempt: bool = True) -> bool:
+        """Blocks for `num_tokens` of `seq`; preempts the newest running
+        sequences when even evicting every cached session is not enough.
+        False if `seq` itself had to give way."""
+        while not self.kv.reserve(seq.kv_key, num_tokens):
+            if not may_preempt:
+                return False
+            victim = max(self.running, key=lambda s: self._admitted_at[id(s)])
+            self._preempt(victim, plan)
+            if victim is seq:
+                return False
+        plan.evicted_keys.extend(self.kv.last_evicted())
+        return True
+
+    def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
+        """Drop a running sequence's KV and put it back at the head of the queue;
+        it is re-prefilled from its token IDs when it is admitted again."""
+        self.preemptions += 1
+        plan.scheduled = [item for item in plan.scheduled if item.seq is not seq]
+        plan.preempted.append(seq)
+        self.slots[seq.slot] = None
+        self._admitted_at.pop(id(seq), None)
+        self.kv.release(seq.kv_key)
+        self.kv.evict(seq.kv_key)
+        seq.slot = None
+        seq.num_computed = 0
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)

@@ -1,0 +1,233 @@
+"""Tokenizer for the worker: HF `tokenizer.json` plus the model's BOS/EOS policy,
+and an incremental detokenizer for streaming text out token by token.
+
+See docs/tokenizer.md for the BOS policy and the streaming guarantee.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Iterable, Optional, Sequence
+
+from tokenizers import Tokenizer as HFTokenizer
+
+REPLACEMENT_CHAR = "\ufffd"
+
+
+class TokenizerError(ValueError):
+    """A model directory has no usable tokenizer, or token ids are out of range."""
+
+
+def _read_optional_json(path: Path) -> dict[str, Any]:
+    """The JSON object in `path`, or {} when the file is absent. Invalid JSON is an error:
+    silently ignoring a broken config would change BOS/EOS handling without notice."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return {}
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise TokenizerError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise TokenizerError(f"{path} must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _token_content(value: Any) -> Optional[str]:
+    """tokenizer_config.json spells special tokens as a string or an AddedToken dict."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return value["content"]
+    return None
+
+
+def _as_id_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, (list, tuple)):
+        return [int(v) for v in value]
+    return [int(value)]
+
+
+class Tokenizer:
+    """Text <-> token ids for one model.
+
+    `encode(text)` starts with exactly one BOS when the model uses one (whether the
+    tokenizer's own post-processor adds it or we do); `decode` drops special tokens
+    by default.
+    """
+
+    def __init__(self, hf: HFTokenizer, bos_token_id: Optional[int] = None,
+                 eos_token_ids: Iterable[int] = (), add_bos_token: bool = True) -> None:
+        self.hf = hf
+        self.vocab_size: int = hf.get_vocab_size(with_added_tokens=True)
+        for tid in [*([bos_token_id] if bos_token_id is not None else []), *eos_token_ids]:
+            if not 0 <= tid < self.vocab_size:
+                raise TokenizerError(f"special token id {tid} is outside the vocabulary (size {self.vocab_size})")
+        self.bos_token_id: Optional[int] = bos_token_id
+        self.eos_token_ids: frozenset[int] = frozenset(eos_token_ids)
+        self.add_bos_token = add_bos_token and bos_token_id is not None
+        self.special_token_ids: frozenset[int] = frozenset(
+            tid for tid, tok in hf.get_added_tokens_decoder().items() if tok.special)
+        # Probe once whether the post-processor (e.g. a TemplateProcessing "<s> $A")
+        # already inserts BOS, so encode() never adds a second one.
+        probe_with = hf.encode("a", add_special_tokens=True).ids
+        probe_without = hf.encode("a", add_special_tokens=False).ids
+        self.post_processor_adds_bos = (
+            bos_token_id is not None and probe_with[:1] == [bos_token_id]
+            and probe_without[:1] != [bos_token_id])
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> "Tokenizer":
+        """Load `tokenizer.json` from a HF model directory.
+
+        BOS: `tokenizer_config.json` `bos_token`, else `bos_token_id` from config.json,
+        then generation_config.json. `add_bos_token: false` in tokenizer_config.json turns
+        BOS off. EOS: the union of every id those three files name, since chat models
+        often list several stop tokens in generation_config.json only.
+        """
+        path = Path(path)
+        tok_file = path / "tokenizer.json"
+        if not tok_file.is_file():
+            raise TokenizerError(f"no tokenizer.json in {path}: the model directory needs a HF fast tokenizer")
+        try:
+            hf = HFTokenizer.from_file(str(tok_file))
+        except Exception as e:  # the Rust side raises a bare Exception with the parse error
+            raise TokenizerError(f"{tok_file} is not a valid tokenizer: {e}") from None
+
+        tok_cfg = _read_optional_json(path / "tokenizer_config.json")
+        cfg = _read_optional_json(path / "config.json")
+        gen_cfg = _read_optional_json(path / "generation_config.json")
+
+        def token_id(name: str) -> Optional[int]:
+            content = _token_content(tok_cfg.get(name))
+            if content is None:
+                return None
+            tid = hf.token_to_id(content)
+            if tid is None:
+                raise TokenizerError(f"tokenizer_config.json names {name} {content!r}, which is not in the vocabulary")
+            return tid
+
+        bos = token_id("bos_token")
+        if bos is None:
+            bos = next((int(c["bos_token_id"]) for c in (cfg, gen_cfg) if c.get("bos_token_id") is not None), None)
+
+        eos: set[int] = set()
+        for c in (gen_cfg, cfg):
+            eos.update(_as_id_list(c.get("eos_token_id")))
+        tok_eos = token_id("eos_token")
+        if tok_eos is not None:
+            eos.add(tok_eos)
+
+        return cls(hf, bos_token_id=bos, eos_token_ids=eos,
+                   add_bos_token=bool(tok_cfg.get("add_bos_token", True)))
+
+    def encode(self, text: str, add_bos: bool = True) -> list[int]:
+        """Token ids of `text`. With `add_bos`, the ids start with exactly one BOS when
+        the model has one; a BOS the text itself spells out counts as that one."""
+        if not add_bos or not self.add_bos_token:
+            return self.hf.encode(text, add_special_tokens=False).ids
+        ids = self.hf.encode(text, add_special_tokens=True).ids
+        bos = self.bos_token_id
+        if ids[:1] != [bos]:
+            return [bos, *ids]
+        if self.post_processor_adds_bos and ids[1:2] == [bos]:
+            return ids[1:]  # the template's BOS plus one spelled out in the text
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        ids = list(ids)
+        if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):
+            bad = next(i for i in ids if not 0 <= i < self.vocab_size)
+            raise TokenizerError(f"token id {bad} is outside the vocabulary (size {self.vocab_size})")
+        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+# How many prompt tokens give context to the first generated tokens: enough for a
+# leading-space marker or a merge across the boundary to render as in a full decode.
+PROMPT_CONTEXT_TOKENS = 5
+
+
+class IncrementalDetokenizer:
+    """Streams text for generated tokens, one token at a time.
+
+    Guarantees (for decoders whose output depends only on the local byte stream,
+    e.g. ByteLevel BPE as in LLaMA-3 and the demo model):
+      * push() never returns a character broken by an incomplete UTF-8 sequence;
+      * "".join(push outputs) + flush() == tokenizer.decode(generated ids).
+
+    State is a short window of ids: `ids[:read]` is text already emitted, kept
+    only as left context; `ids[read:]` is pending. Each push decodes the window
+    and emits the text past the emitted part, unless it ends in U+FFFD (possibly
+    an incomplete character): then it waits for more tokens.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Optional[Sequence[int]] = None,
+                 skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        context = list(prompt_ids[-PROMPT_CONTEXT_TOKENS:]) if prompt_ids else []
+        if skip_special_tokens:
+            context = [t for t in context if t not in tokenizer.special_token_ids]
+        context_text = self._decode(context)
+        if context_text.endswith(REPLACEMENT_CHAR):
+            # The prompt ends inside a character; generated bytes that complete it would
+            # rewrite prompt text, which we do not own. Stream the generated part alone.
+            context, context_text = [], ""
+        self._ids: list[int] = context
+        self._read = len(context)
+        self._prefix_text = context_text
+
+    @property
+    def window_len(self) -> int:
+        """Ids held (context + pending): bounds the cost of each push."""
+        return len(self._ids)
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def _advance(self, read: int) -> None:
+        """Mark ids[:read] as emitted; keep the chunk emitted last as left context."""
+        del self._ids[:self._read]  # ids no window will read again
+        self._read = read - self._read
+        self._prefix_text = self._decode(self._ids[:self._read])
+
+    def push(self, token_id: int) -> str:
+        """Add one generated token; return the newly stable text (possibly '')."""
+        if not 0 <= token_id < self.tokenizer.vocab_size:
+            raise TokenizerError(f"token id {token_id} is outside the vocabulary (size {self.tokenizer.vocab_size})")
+        if self.skip_special_tokens and token_id in self.tokenizer.special_token_ids:
+            return ""  # decodes to nothing; keeping it would only grow the window
+        self._ids.append(token_id)
+        text = self._decode(self._ids)
+        if not text.startswith(self._prefix_text):
+            return ""  # the new token rewrote emitted context; wait (flush settles it)
+        if not text.endswith(REPLACEMENT_CHAR):
+            out = text[len(self._prefix_text):]
+            if out:
+                self._advance(len(self._ids))
+            return out
+        return self._emit_settled(text)
+
+    def _emit_settled(self, text: str) -> str:
+        """The window ends in U+FFFD. If everything before the newest token decodes the
+        same on its own, the boundary before that token is final (a later byte can only
+        change a character that is cut by the end of the stream), so emit up to there.
+        This keeps the window short through long runs of invalid bytes."""
+        cut = len(self._ids) - 1
+        if cut <= self._read:
+            return ""
+        head = self._decode(self._ids[:cut])
+        if head + self._decode(self._ids[cut:]) != text or len(head) <= len(self._prefix_text):
+            return ""
+        out = head[len(self._prefix_text):]
+        self._advance(cut)
+        return out
+
+    def flush(self) -> str:
+        """The rest of the text at the end of the stream, held-back bytes included."""
+        text = self._decode(self._ids)
+        out = text[len(self._prefix_text):]
+        self._advance(len(self._ids))
+        return out

@@ -324,8 +324,8 @@ class Engine:
             "waiting": len(self.scheduler.waiting),
             "kv_blocks_total": self.kv_manager.num_blocks,
             "kv_blocks_used": self.kv_manager.num_used_blocks,
-            "sessions_active": kv["active"], "sessions_cached": kv["cached"],
-            "sessions_evicted": kv["evicted"],
+            "sessions_active": kv["active_sequences"], "sessions_cached": kv["cached_sequences"],
+            "sessions_evicted": kv["evicted_sequences"],
             **self.counters,
         }
 

@@ -3,6 +3,10 @@
 
 namespace py = pybind11;
 
+namespace turbomq {
+void bind_kv_cache(py::module_& m);  // kv_cache_bindings.cpp
+}  // namespace turbomq
+
 PYBIND11_MODULE(_native, m) {
   m.doc() = "turbomq native core: KV cache manager and kernels";
 #ifdef TURBOMQ_WITH_CUDA
@@ -10,4 +14,5 @@ PYBIND11_MODULE(_native, m) {
 #else
   m.attr("with_cuda") = false;
 #endif
+  turbomq::bind_kv_cache(m);
 }

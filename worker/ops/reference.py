@@ -84,12 +84,19 @@ def paged_attention(q: torch.Tensor, kv: LayerKV, batch: AttentionBatch,
     read through its block table. q: [T, nh, d] -> [T, nh, d].
     The new queries of a sequence sit at the end of its context (Q shorter than K)."""
     out = torch.empty_like(q)
-    nh = q.shape[1]
+    decode_rows = [s for s, n in enumerate(batch.q_lens_host) if n == 1]
+    if decode_rows:
+        _decode_attention(q, kv, batch, scale, decode_rows, out)
+    if len(decode_rows) == batch.num_seqs:
+        return out
     bs = kv.block_size
-    tables = batch.block_tables
+    nh = q.shape[1]
     start = 0
     for s, (n, ctx) in enumerate(zip(batch.q_lens_host, batch.context_lens_host)):
-        blocks = tables[s, : (ctx + bs - 1) // bs].long()
+        if n == 1:
+            start += 1
+            continue
+        blocks = batch.block_tables[s, : (ctx + bs - 1) // bs].long()
         k = _gather(kv.k, kv.k_scale, blocks, ctx)
         v = _gather(kv.v, kv.v_scale, blocks, ctx)
         group = nh // k.shape[0]
@@ -97,12 +104,42 @@ def paged_attention(q: torch.Tensor, kv: LayerKV, batch: AttentionBatch,
         v = v.repeat_interleave(group, dim=0)
         qs = q[start:start + n].float().transpose(0, 1)  # [nh, n, d]
         scores = torch.matmul(qs, k.transpose(1, 2)) * scale  # [nh, n, ctx]
-        if n > 1:
-            # query i sits at position ctx - n + i and sees keys 0 .. ctx - n + i
-            qpos = torch.arange(ctx - n, ctx, device=q.device)[:, None]
-            kpos = torch.arange(ctx, device=q.device)[None, :]
-            scores.masked_fill_(kpos > qpos, float("-inf"))
+        # query i sits at position ctx - n + i and sees keys 0 .. ctx - n + i
+        qpos = torch.arange(ctx - n, ctx, device=q.device)[:, None]
+        kpos = torch.arange(ctx, device=q.device)[None, :]
+        scores.masked_fill_(kpos > qpos, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[start:start + n] = torch.matmul(probs, v).transpose(0, 1).to(q.dtype)
         start += n
     return out
+
+
+def _decode_attention(q: torch.Tensor, kv: LayerKV, batch: AttentionBatch, scale: float,
+                      rows: list[int], out: torch.Tensor) -> None:
+    """All one-query sequences at once: gather their blocks padded to the
+    longest context and mask the padding."""
+    bs = kv.block_size
+    idx = torch.tensor(rows, device=q.device)
+    token_rows = batch.cu_q_lens[idx].long()
+    ctx = batch.context_lens[idx].long()  # [S]
+    max_ctx = max(batch.context_lens_host[r] for r in rows)
+    nblocks = (max_ctx + bs - 1) // bs
+    tables = batch.block_tables[idx, :nblocks].long().clamp_min(0)  # padding reads block 0, masked
+
+    def gather(cache: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
+        x = cache[tables].float()  # [S, nb, nkv, bs, d]
+        if scales is not None:
+            x = x * scales[tables][..., None]
+        S, nb, nkv, _, d = x.shape
+        return x.permute(0, 2, 1, 3, 4).reshape(S, nkv, nb * bs, d)[:, :, :max_ctx]
+
+    k = gather(kv.k, kv.k_scale)  # [S, nkv, L, d]
+    v = gather(kv.v, kv.v_scale)
+    S, nkv, L, d = k.shape
+    nh = q.shape[1]
+    qs = q[token_rows].float().reshape(S, nkv, nh // nkv, d)  # query heads grouped by kv head
+    scores = torch.matmul(qs, k.transpose(2, 3)) * scale  # [S, nkv, group, L]
+    pad = torch.arange(L, device=q.device)[None, :] >= ctx[:, None]  # [S, L]
+    scores.masked_fill_(pad[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out[token_rows] = torch.matmul(probs, v).reshape(S, nh, d).to(q.dtype)

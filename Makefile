@@ -38,7 +38,8 @@ cuda-check:
 	done
 
 test: $(STAMP) cuda-check
-	$(PY) -m pytest -q -p no:cacheprovider
+	# one intra-op thread per process: the suite runs several processes on 2 cores
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider
 
 clean:
 	rm -rf build $(VENV) $(DEMO_MODEL)

@@ -370,8 +370,7 @@ def test_block_tables_batched():
     assert table.tolist() == [[3, -1, -1, -1], [0, 1, 2, -1], [-1, -1, -1, -1]]
     assert mgr.block_tables(np.array([1], dtype=np.int64), 3).tolist() == [[0, 1, 2]]
     assert mgr.block_tables([], 5).shape == (0, 5)
-    with pytest.raises(ValueError, match="more than width 2"):
-        mgr.block_tables([1], 2)
+    assert mgr.block_tables([1], 2).tolist() == [[0, 1]]  # rows keep the first `width` blocks
     with pytest.raises(ValueError):
         mgr.block_tables([1], -1)
     with pytest.raises(SequenceNotFoundError):

@@ -281,8 +281,10 @@ class Engine:
             try:
                 self.submit(params=params, session_id=session_id, callback=collect,
                             request_id=rid, **kwargs)
-            except errors.EngineError:
-                for submitted in ids[:-1]:
+            except Exception:
+                # all or nothing: withdraw what this call already queued
+                ids.pop()
+                for submitted in ids:
                     self.cancel(submitted)
                 self._wait(done, ids, results)
                 raise
@@ -357,6 +359,9 @@ class Engine:
             return
         while not done.is_set():
             self.step()
+
+    def has_work(self) -> bool:
+        return not self._inbox.empty() or self.scheduler.has_work()
 
     def step(self) -> bool:
         """Run one step; False when there was nothing to do."""

@@ -63,6 +63,7 @@ class Sequence:
     reprefilled_tokens: int = 0  # history recomputed after an eviction
     finish_reason: Optional[str] = None
     first_admitted: Optional[float] = None
+    admit_order: int = -1  # position in the running order, set on admission
 
     @property
     def num_generated(self) -> int:
@@ -92,7 +93,6 @@ class ScheduledSeq:
 @dataclass
 class StepPlan:
     scheduled: list[ScheduledSeq]
-    evicted_keys: list[int]
     preempted: list[Sequence]
 
     @property
@@ -105,9 +105,12 @@ class Scheduler:
         self.config = config
         self.kv = kv_manager
         self.slots: list[Optional[Sequence]] = [None] * config.max_batch_size
+        self._free_slots = list(range(config.max_batch_size - 1, -1, -1))  # stack, lowest on top
         self.waiting: deque[Sequence] = deque()
+        # running sequences in admission order: iteration is oldest first and
+        # the newest (the preemption victim) is the last entry
+        self._running: dict[int, Sequence] = {}
         self._admit_order = itertools.count()
-        self._admitted_at: dict[int, int] = {}  # id(seq) -> admission counter, for preemption
         self.cache_hits = 0
         self.cache_misses = 0
         self.preemptions = 0
@@ -115,14 +118,14 @@ class Scheduler:
     # -- queries -------------------------------------------------------------
     @property
     def running(self) -> list[Sequence]:
-        return [s for s in self.slots if s is not None]
+        return list(self._running.values())
 
     @property
     def num_free_slots(self) -> int:
-        return sum(1 for s in self.slots if s is None)
+        return len(self._free_slots)
 
     def has_work(self) -> bool:
-        return bool(self.waiting) or any(s is not None for s in self.slots)
+        return bool(self.waiting) or bool(self._running)
 
     def max_tokens_in_pool(self) -> int:
         return self.kv.num_blocks * self.config.block_size
@@ -136,25 +139,31 @@ class Scheduler:
 
     # -- one step ------------------------------------------------------------
     def schedule(self) -> StepPlan:
-        plan = StepPlan([], [], [])
+        plan = StepPlan([], [])
         budget = self.config.max_num_batched_tokens
 
-        # 1. decode tokens of running sequences (oldest first)
-        for seq in self._running_by_age():
-            if seq.status is not SeqStatus.RUNNING or not seq.in_decode:
-                continue
+        decoding, prefilling = [], []  # both oldest first
+        for seq in self._running.values():
+            (decoding if seq.num_computed == len(seq.tokens) - 1 else prefilling).append(seq)
+        scheduled = plan.scheduled
+        reserve = self.kv.reserve
+        # 1. one decode token for every running sequence past its prompt
+        for seq in decoding:
             if budget < 1:
                 break
-            if not self._reserve(seq, seq.num_computed + 1, plan):
+            if seq.status is not SeqStatus.RUNNING:
+                continue  # preempted by an earlier reservation this step
+            if not reserve(seq.kv_key, seq.num_computed + 1) and not self._reserve(
+                    seq, seq.num_computed + 1, plan):
                 continue  # seq itself was preempted
-            plan.scheduled.append(ScheduledSeq(seq, 1))
+            scheduled.append(ScheduledSeq(seq, 1))
             budget -= 1
 
         # 2. prefill chunks of running sequences still in their prompt
-        for seq in self._running_by_age():
+        for seq in prefilling:
             if budget < 1:
                 break
-            if seq.status is not SeqStatus.RUNNING or seq.in_decode or self._is_scheduled(seq, plan):
+            if seq.status is not SeqStatus.RUNNING:
                 continue
             n = min(len(seq.tokens) - seq.num_computed, budget)
             if not self._reserve(seq, seq.num_computed + n, plan):
@@ -181,12 +190,13 @@ class Scheduler:
     def commit(self, plan: StepPlan, sampled: dict[int, int]) -> None:
         """Record a finished forward: each scheduled chunk's KV is written, and
         sequences that sampled get their new token. `sampled` maps id(seq) to token."""
+        set_num_tokens = self.kv.set_num_tokens
         for item in plan.scheduled:
             seq = item.seq
             if seq.status is not SeqStatus.RUNNING:
                 continue  # cancelled while the step ran
             seq.num_computed += item.num_new_tokens
-            self.kv.set_num_tokens(seq.kv_key, seq.num_computed)
+            set_num_tokens(seq.kv_key, seq.num_computed)
             token = sampled.get(id(seq))
             if token is not None:
                 seq.tokens.append(token)
@@ -200,8 +210,7 @@ class Scheduler:
             if self.kv.contains(seq.kv_key) and not keep_kv:
                 self.kv.erase(seq.kv_key)
         elif seq.status is SeqStatus.RUNNING:
-            self.slots[seq.slot] = None
-            self._admitted_at.pop(id(seq), None)
+            self._leave_slot(seq)
             if keep_kv:
                 self.kv.release(seq.kv_key)
             else:
@@ -211,12 +220,18 @@ class Scheduler:
         seq.slot = None
 
     # -- internals -------------------------------------------------------------
-    def _running_by_age(self) -> list[Sequence]:
-        return sorted(self.running, key=lambda s: self._admitted_at[id(s)])
+    def _take_slot(self, seq: Sequence) -> None:
+        seq.slot = self._free_slots.pop()
+        self.slots[seq.slot] = seq
+        seq.admit_order = next(self._admit_order)
+        self._running[seq.admit_order] = seq
+        seq.status = SeqStatus.RUNNING
 
-    @staticmethod
-    def _is_scheduled(seq: Sequence, plan: StepPlan) -> bool:
-        return any(item.seq is seq for item in plan.scheduled)
+    def _leave_slot(self, seq: Sequence) -> None:
+        self.slots[seq.slot] = None
+        self._free_slots.append(seq.slot)
+        del self._running[seq.admit_order]
+        seq.slot = None
 
     def _admission_target(self, seq: Sequence) -> int:
         """Tokens to hold blocks for at admission, by allocation policy."""
@@ -239,7 +254,6 @@ class Scheduler:
         if not kv.reserve(seq.kv_key, max(self._admission_target(seq), resident + 1)):
             self._unadmit_kv(seq, existed)
             return False
-        plan.evicted_keys.extend(kv.last_evicted())
         if seq.session_id is not None and seq.first_admitted is None:
             if seq.history_len > 0:
                 if resident > 0:
@@ -252,11 +266,7 @@ class Scheduler:
             seq.cached_tokens = resident
         seq.num_computed = resident
         kv.set_num_tokens(seq.kv_key, resident)
-        slot = self.slots.index(None)
-        self.slots[slot] = seq
-        seq.slot = slot
-        seq.status = SeqStatus.RUNNING
-        self._admitted_at[id(seq)] = next(self._admit_order)
+        self._take_slot(seq)
         return True
 
     def _unadmit_kv(self, seq: Sequence, existed: bool) -> None:
@@ -266,10 +276,8 @@ class Scheduler:
             self.kv.erase(seq.kv_key)
 
     def _unadmit(self, seq: Sequence) -> None:
-        self.slots[seq.slot] = None
-        self._admitted_at.pop(id(seq), None)
+        self._leave_slot(seq)
         self._unadmit_kv(seq, True)
-        seq.slot = None
         seq.status = SeqStatus.WAITING
 
     def _reserve(self, seq: Sequence, num_tokens: int, plan: StepPlan,
@@ -280,11 +288,10 @@ class Scheduler:
         while not self.kv.reserve(seq.kv_key, num_tokens):
             if not may_preempt:
                 return False
-            victim = max(self.running, key=lambda s: self._admitted_at[id(s)])
+            victim = next(reversed(self._running.values()))  # the newest
             self._preempt(victim, plan)
             if victim is seq:
                 return False
-        plan.evicted_keys.extend(self.kv.last_evicted())
         return True
 
     def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
@@ -293,11 +300,9 @@ class Scheduler:
         self.preemptions += 1
         plan.scheduled = [item for item in plan.scheduled if item.seq is not seq]
         plan.preempted.append(seq)
-        self.slots[seq.slot] = None
-        self._admitted_at.pop(id(seq), None)
+        self._leave_slot(seq)
         self.kv.release(seq.kv_key)
         self.kv.evict(seq.kv_key)
-        seq.slot = None
         seq.num_computed = 0
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)

@@ -285,15 +285,11 @@ void KVCacheManager::fill_block_tables(const SeqId* seq_ids, size_t count,
   }
   for (size_t row = 0; row < count; ++row) {
     const std::vector<BlockId>& blocks = get(seq_ids[row], "block_tables").blocks;
-    const int64_t length = static_cast<int64_t>(blocks.size());
-    if (length > width) {
-      throw std::invalid_argument(
-          "block_tables: " + seq_name(seq_ids[row]) + " has " +
-          std::to_string(length) + " blocks, more than width " +
-          std::to_string(width));
-    }
+    // A step only reads the blocks its context covers, while a table may hold
+    // more (reserved ahead), so rows keep the first `width` entries.
+    const int64_t length = std::min<int64_t>(static_cast<int64_t>(blocks.size()), width);
     int32_t* row_out = out + row * width;
-    std::copy(blocks.begin(), blocks.end(), row_out);
+    std::copy(blocks.begin(), blocks.begin() + length, row_out);
     std::fill(row_out + length, row_out + width, -1);
   }
 }

@@ -92,8 +92,8 @@ class KVCacheManager {
   SeqState state(SeqId seq_id) const;
   bool contains(SeqId seq_id) const { return seqs_.count(seq_id) != 0; }
   const std::vector<BlockId>& block_table(SeqId seq_id) const;
-  // Writes a row of `width` entries per id into out (row-major), padded with
-  // -1. Throws if a table is longer than width.
+  // Writes a row of `width` entries per id into out (row-major): the first
+  // `width` blocks of each table, padded with -1.
   void fill_block_tables(const SeqId* seq_ids, size_t count, int64_t width,
                          int32_t* out) const;
 

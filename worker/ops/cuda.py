@@ -1,0 +1,294 @@
+"""CUDA backend: the reference's op signatures, run by the native kernels of
+turbomq._native.cuda (native/cuda/*.cu). Tensors cross as device addresses,
+sizes and the current stream; inputs the kernels do not cover (fp32, odd
+sizes, misaligned views, head_dim other than 64/128 for attention) fall back
+to the reference, so every call is correct on any CUDA tensor.
+
+Each op also takes keyword-only `out` buffers (tests poison them to catch
+unwritten elements); the model never passes them."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+import torch
+
+from ..kv_cache import LayerKV
+from . import reference
+from .attention_batch import AttentionBatch
+
+try:
+    from turbomq import _native as _native_module
+except ImportError as exc:  # built without the extension
+    _native_module = None
+    _IMPORT_ERROR: Optional[str] = f"turbomq._native is not importable: {exc}"
+else:
+    _IMPORT_ERROR = None
+
+_k = getattr(_native_module, "cuda", None)
+
+# Smallest split-K partition: one 16-token step for each of a block's four
+# warps. Small batches are latency-bound (each warp's steps are a chain of
+# dependent loads), so they split down to this.
+MIN_PARTITION = 64
+
+
+def unavailable_reason() -> Optional[str]:
+    """Why the native kernels cannot run here, or None when they can."""
+    if _IMPORT_ERROR is not None:
+        return _IMPORT_ERROR
+    if _k is None:
+        return "turbomq._native was built without CUDA (rebuild with TURBOMQ_CUDA=ON)"
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    return None
+
+
+def available() -> bool:
+    return unavailable_reason() is None
+
+
+if _k is not None:
+    _DTYPES = {torch.float16: _k.DType.F16, torch.bfloat16: _k.DType.BF16,
+               torch.int8: _k.DType.I8, torch.float32: _k.DType.F32}
+else:
+    _DTYPES = {}
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _stream(t: torch.Tensor) -> int:
+    return torch.cuda.current_stream(t.device).cuda_stream
+
+
+def _aligned(t: torch.Tensor, *strides: int) -> bool:
+    """16-byte aligned start and strides (in 2-byte elements) multiples of 8."""
+    return t.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in strides)
+
+
+def _native_ok(*tensors: torch.Tensor) -> bool:
+    return _k is not None and all(t.is_cuda for t in tensors)
+
+
+class _on_device:
+    """Makes `t`'s device current (kernels launch on the current device)."""
+
+    def __init__(self, t: torch.Tensor):
+        self.index = t.device.index
+        self.prev: Optional[int] = None
+
+    def __enter__(self) -> None:
+        cur = torch.cuda.current_device()
+        if self.index is not None and cur != self.index:
+            self.prev = cur
+            torch.cuda.set_device(self.index)
+
+    def __exit__(self, *exc) -> None:
+        if self.prev is not None:
+            torch.cuda.set_device(self.prev)
+
+
+# --------------------------------------------------------------- norms
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *,
+             out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    h = x.shape[-1]
+    if not (_native_ok(x, weight) and x.dtype in _HALF and weight.dtype == x.dtype
+            and weight.is_contiguous() and h % 8 == 0 and x.numel() > 0):
+        return reference.rms_norm(x, weight, eps)
+    x2 = x.reshape(-1, h)
+    if x2.stride(1) != 1 or not _aligned(x2, x2.stride(0)):
+        x2 = x2.contiguous()
+    if out is None:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    with _on_device(x):
+        _k.rms_norm(out.data_ptr(), x2.data_ptr(), x2.stride(0), weight.data_ptr(), x2.shape[0], h,
+                    float(eps), _DTYPES[x.dtype], _stream(x))
+    return out
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *,
+                 out: Optional[torch.Tensor] = None,
+                 sum_out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    h = x.shape[-1]
+    if not (_native_ok(x, residual, weight) and x.dtype in _HALF and residual.dtype == x.dtype
+            and weight.dtype == x.dtype and residual.shape == x.shape
+            and weight.is_contiguous() and h % 8 == 0 and x.numel() > 0):
+        return reference.add_rms_norm(x, residual, weight, eps)
+    x = x.contiguous()
+    residual = residual.contiguous()
+    if out is None:
+        out = torch.empty_like(x)
+    if sum_out is None:
+        sum_out = torch.empty_like(x)
+    with _on_device(x):
+        _k.add_rms_norm(out.data_ptr(), sum_out.data_ptr(), x.data_ptr(), residual.data_ptr(),
+                        weight.data_ptr(), x.numel() // h, h, float(eps), _DTYPES[x.dtype],
+                        _stream(x))
+    return out, sum_out
+
+
+# -------------------------------------------------------------- rotary
+def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, *,
+           q_out: Optional[torch.Tensor] = None,
+           k_out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    t, nh, d = q.shape
+    nkv = k.shape[1]
+    if not (_native_ok(q, k, positions, cos_sin) and q.dtype in _HALF and k.dtype == q.dtype
+            and cos_sin.dtype == torch.float32 and cos_sin.shape[-1] == d and d % 16 == 0
+            and k.shape[0] == t and k.shape[2] == d and t > 0):
+        return reference.rotary(q, k, positions, cos_sin)
+    if q.stride(2) != 1 or not _aligned(q, q.stride(0), q.stride(1)):
+        q = q.contiguous()
+    if k.stride(2) != 1 or not _aligned(k, k.stride(0), k.stride(1)):
+        k = k.contiguous()
+    positions = positions.to(torch.int64).contiguous()
+    cos_sin = cos_sin.contiguous()
+    if q_out is None:
+        q_out = torch.empty((t, nh, d), dtype=q.dtype, device=q.device)
+    if k_out is None:
+        k_out = torch.empty((t, nkv, d), dtype=k.dtype, device=k.device)
+    with _on_device(q):
+        _k.rotary(q_out.data_ptr(), k_out.data_ptr(), q.data_ptr(), q.stride(0), q.stride(1),
+                  k.data_ptr(), k.stride(0), k.stride(1), positions.data_ptr(),
+                  cos_sin.data_ptr(), t, nh, nkv, d, _DTYPES[q.dtype], _stream(q))
+    return q_out, k_out
+
+
+# ------------------------------------------------------------ silu_mul
+def silu_mul(gate_up: torch.Tensor, *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    two_i = gate_up.shape[-1]
+    inter = two_i // 2
+    if not (_native_ok(gate_up) and gate_up.dtype in _HALF and two_i % 16 == 0
+            and gate_up.numel() > 0):
+        return reference.silu_mul(gate_up)
+    x2 = gate_up.reshape(-1, two_i)
+    if x2.stride(1) != 1 or not _aligned(x2, x2.stride(0)):
+        x2 = x2.contiguous()
+    if out is None:
+        out = torch.empty((*gate_up.shape[:-1], inter), dtype=gate_up.dtype, device=gate_up.device)
+    with _on_device(gate_up):
+        _k.silu_mul(out.data_ptr(), x2.data_ptr(), x2.stride(0), x2.shape[0], inter,
+                    _DTYPES[gate_up.dtype], _stream(gate_up))
+    return out
+
+
+# ------------------------------------------------------------ write_kv
+def write_kv(kv: LayerKV, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    t, nkv, d = k.shape
+    cache_dtype = kv.k.dtype
+    ok = (_native_ok(kv.k, k, v, slot_mapping) and k.dtype in _HALF and v.dtype == k.dtype
+          and v.shape == k.shape and kv.k.is_contiguous() and kv.v.is_contiguous() and t > 0)
+    if ok and cache_dtype == torch.int8:
+        ok = d % 32 == 0 and d <= 256 and kv.k_scale.is_contiguous() and kv.v_scale.is_contiguous()
+    elif ok:
+        ok = cache_dtype == k.dtype and d % 8 == 0
+    if not ok:
+        reference.write_kv(kv, k, v, slot_mapping)
+        return
+    if k.stride(2) != 1 or not _aligned(k, k.stride(0), k.stride(1)):
+        k = k.contiguous()
+    if v.stride(2) != 1 or not _aligned(v, v.stride(0), v.stride(1)):
+        v = v.contiguous()
+    slots = slot_mapping.to(torch.int64).contiguous()
+    quant = cache_dtype == torch.int8
+    with _on_device(k):
+        _k.write_kv(kv.k.data_ptr(), kv.v.data_ptr(),
+                    kv.k_scale.data_ptr() if quant else 0, kv.v_scale.data_ptr() if quant else 0,
+                    k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0), v.stride(1),
+                    slots.data_ptr(), t, nkv, d, kv.block_size, _DTYPES[k.dtype],
+                    _DTYPES[cache_dtype], _stream(k))
+
+
+# ----------------------------------------------------------- attention
+_SM_COUNT: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNT:
+        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNT[index]
+
+
+def _tiles(batch: AttentionBatch, group: int, device: torch.device):
+    """(tile tensor or None, number of tiles); cached on the batch, which every
+    layer of a step shares."""
+    cache = batch.__dict__.setdefault("_cuda_tiles", {})
+    if group in cache:
+        return cache[group]
+    rows = _k.ATTENTION_TILE_ROWS
+    if batch.max_q_len == 1 and group <= rows:
+        result = (None, batch.num_seqs)
+    else:
+        q = np.asarray(batch.q_lens_host, dtype=np.int64)
+        per_seq = (q * group + rows - 1) // rows
+        total = int(per_seq.sum())
+        seq = np.repeat(np.arange(len(q)), per_seq)
+        first = np.repeat(np.cumsum(per_seq) - per_seq, per_seq)
+        pairs = np.stack([seq, np.arange(total) - first], axis=1).astype(np.int32)
+        result = (torch.from_numpy(pairs).to(device), total)
+    cache[group] = result
+    return result
+
+
+def plan_partitions(blocks: int, max_context: int, sm_count: int,
+                    partition_size: Optional[int] = None) -> tuple[int, int]:
+    """(partition_size, num_parts) for split-K: split a context only while the
+    grid has fewer than ~8 blocks per multiprocessor."""
+    align = _k.ATTENTION_PARTITION_ALIGN if _k is not None else 64
+    max_context = max(1, max_context)
+    if partition_size is None:
+        parts = -(-8 * sm_count // max(1, blocks))
+        parts = max(1, min(parts, -(-max_context // MIN_PARTITION)))
+        partition_size = -(-max_context // parts)
+    partition_size = max(align, -(-partition_size // align) * align)
+    return partition_size, -(-max_context // partition_size)
+
+
+def _attention_native(q: torch.Tensor, kv: LayerKV) -> bool:
+    bs = kv.block_size
+    return (_native_ok(q, kv.k) and q.dtype in _HALF and kv.k.dtype in (q.dtype, torch.int8)
+            and q.shape[-1] in (64, 128) and bs > 0 and bs & (bs - 1) == 0
+            and q.shape[1] % kv.k.shape[1] == 0 and kv.k.is_contiguous() and kv.v.is_contiguous()
+            and (kv.k_scale is None or (kv.k_scale.is_contiguous() and kv.v_scale.is_contiguous())))
+
+
+def paged_attention(q: torch.Tensor, kv: LayerKV, batch: AttentionBatch, scale: float, *,
+                    out: Optional[torch.Tensor] = None,
+                    partition_size: Optional[int] = None) -> torch.Tensor:
+    """As reference.paged_attention. `partition_size` forces the split-K
+    partition (a multiple of 64 keys); by default it is planned from the grid."""
+    if not _attention_native(q, kv) or q.shape[0] == 0:
+        return reference.paged_attention(q, kv, batch, scale)
+    t, nh, d = q.shape
+    nkv = kv.k.shape[1]
+    if q.stride(2) != 1 or not _aligned(q, q.stride(0), q.stride(1)):
+        q = q.contiguous()
+    tiles, num_tiles = _tiles(batch, nh // nkv, q.device)
+    part_size, parts = plan_partitions(num_tiles * nkv, batch.max_context_len,
+                                       _sm_count(q.device), partition_size)
+    rows = _k.ATTENTION_TILE_ROWS
+    if parts > 1:
+        part_o = torch.empty(num_tiles * nkv * parts * rows * d, dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(2 * num_tiles * nkv * parts * rows, dtype=torch.float32,
+                              device=q.device)
+        part_ptrs = (part_o.data_ptr(), part_ml.data_ptr())
+    else:
+        part_ptrs = (0, 0)
+    if out is None:
+        out = torch.empty((t, nh, d), dtype=q.dtype, device=q.device)
+    tables = batch.block_tables
+    if tables.dtype != torch.int32 or not tables.is_contiguous():
+        tables = tables.to(torch.int32).contiguous()
+    quant = kv.k_scale is not None
+    with _on_device(q):
+        _k.paged_attention(
+            out.data_ptr(), q.data_ptr(), q.stride(0), q.stride(1), kv.k.data_ptr(),
+            kv.v.data_ptr(), kv.k_scale.data_ptr() if quant else 0,
+            kv.v_scale.data_ptr() if quant else 0, tables.data_ptr(), tables.shape[1],
+            batch.cu_q_lens.data_ptr(), batch.context_lens.data_ptr(),
+            0 if tiles is None else tiles.data_ptr(), num_tiles, nh, nkv, d, kv.block_size,
+            float(scale), part_size, parts, part_ptrs[0], part_ptrs[1], _DTYPES[q.dtype],
+            _DTYPES[kv.k.dtype], _stream(q))
+    return out

@@ -6,7 +6,15 @@ PIP := $(PY) -m pip
 DEMO_MODEL ?= .demo-model
 STAMP := $(VENV)/.turbomq-installed
 
-.PHONY: serve test setup native cuda-check clean
+.PHONY: serve test setup sysdeps native cuda-check clean
+
+# Real redis-server and prometheus for the service and the tests (Debian packages).
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+sysdeps:
+	@if ! command -v redis-server >/dev/null || ! command -v prometheus >/dev/null; then \
+	  $(SUDO) apt-get update -q && \
+	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q redis-server prometheus; \
+	fi
 
 # torch goes in first and pinned: pip would otherwise pull a multi-GB CUDA build.
 $(STAMP): pyproject.toml native/CMakeLists.txt
@@ -37,7 +45,7 @@ cuda-check:
 	  nvcc -std=c++17 -arch=sm_90a -Inative/cuda -Inative/src -c "$$f" -o /dev/null; \
 	done
 
-test: $(STAMP) cuda-check
+test: $(STAMP) sysdeps cuda-check
 	# one intra-op thread per process: the suite runs several processes on 2 cores
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider
 

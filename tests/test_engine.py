@@ -159,9 +159,9 @@ def test_eviction_equivalence(round_size):
 
 
 def test_int8_kv_logits_close_to_full_precision():
-    """Tolerance: symmetric per-token int8 has a rounding step of amax/127 per
-    element, so attention outputs move by well under 1% of their scale; the
-    demo model's logits (spread ~8) stay within 0.15 absolute (docs/engine.md)."""
+    """Tolerance (docs/engine.md): symmetric per-token int8 rounds each element
+    by at most amax/254, so logits move by a small fraction of their spread;
+    we require max |diff| under 3% of the logits' standard deviation."""
     rng = random.Random(3)
     prompts = [random_prompt(rng, n) for n in (5, 40, 200)]
     logits = {}
@@ -180,7 +180,7 @@ def test_int8_kv_logits_close_to_full_precision():
     diff = (logits["int8"] - logits["fp32"]).abs().max().item()
     spread = logits["fp32"].std().item()
     print(f"int8 vs fp32 KV: max |logit diff| {diff:.4f} (logit std {spread:.2f})")
-    assert diff < 0.15
+    assert diff < 0.03 * spread
 
 
 def test_int8_greedy_agreement_is_reported():

@@ -27,7 +27,8 @@ from .ops import AttentionBatch
 from .output import TextStream
 from .sampling import SamplingParams, SeedRNG, sample
 from .scheduler import AllocPolicy, Scheduler, SchedulerConfig, Sequence, SeqStatus
-from .session_store import InMemorySessionStore, SessionStore, SessionStoreError
+from .session_store import (InMemorySessionStore, SessionModelMismatch, SessionStore,
+                            SessionStoreError)
 from .tokenizer import Tokenizer
 from .weights import load_checkpoint
 from .._native import KVCacheManager
@@ -525,6 +526,8 @@ class Engine:
     def _read_history(self, session_id: str) -> list[int]:
         try:
             return self.session_store.get_tokens(session_id) or []
+        except SessionModelMismatch as e:
+            raise errors.InvalidRequest(str(e)) from e
         except SessionStoreError as e:
             raise errors.SessionStoreUnavailable(str(e)) from e
 

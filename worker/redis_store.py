@@ -25,7 +25,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from .session_store import SessionStoreError
+from .session_store import SessionModelMismatch, SessionStoreError
 
 # Called after every store operation: (op, seconds, ok). Metrics plug in here.
 Observer = Callable[[str, float, bool], None]
@@ -73,10 +73,6 @@ if ttl > 0 then
 end
 return {1, n}
 """
-
-
-class SessionModelMismatch(SessionStoreError):
-    """The session was created for another model; its token IDs mean nothing here."""
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,10 @@ class SessionStoreError(RuntimeError):
     """The store could not be read or written (e.g. Redis is down)."""
 
 
+class SessionModelMismatch(SessionStoreError):
+    """The session was created for another model; its token IDs mean nothing here."""
+
+
 class SessionStore(Protocol):
     def get_tokens(self, session_id: str) -> Optional[list[int]]:
         """The session's token IDs in order, or None if the session is unknown."""

@@ -1,0 +1,335 @@
+"""Broker overhead, measured against a direct client<->worker baseline in the same run.
+
+Both paths use the same echo worker process (no model) and the same raw
+DEALER/ROUTER client code, so the difference is the broker hop:
+
+    direct:   bench (ROUTER, plays the broker) <-> echo worker (DEALER)
+    brokered: bench (DEALER client) <-> broker (ROUTER|ROUTER) <-> echo worker
+
+Latency: one request at a time, max_tokens=1, send -> final (the worker sends
+a delta and a final; the broker forwards the final). Throughput: several
+streaming requests in flight, one token per delta; messages/s = deltas the
+client received per second. Also: latency through the `Client` library.
+
+    .venv/bin/python benchmarks/broker_bench.py [--quick]
+
+Writes docs/benchmarks/broker.md and docs/benchmarks/broker.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import msgpack
+import zmq
+
+from turbomq.clients import Client
+from turbomq.clients import protocol as P
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+
+
+def percentile(xs: list, q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q / 100.0 * (len(xs) - 1))))]
+
+
+def spawn_worker(endpoint: str, slots: int) -> subprocess.Popen:
+    return subprocess.Popen([PY, "-m", "turbomq.broker.echo_worker", "--broker", endpoint,
+                             "--slots", str(slots), "--worker-id", "bench"])
+
+
+def spawn_broker() -> tuple:
+    proc = subprocess.Popen([PY, "-m", "turbomq.broker", "--front", "tcp://127.0.0.1:*",
+                             "--back", "tcp://127.0.0.1:*", "--log-level", "WARNING",
+                             "--queue-bound", "100000"], stdout=subprocess.PIPE, text=True)
+    ep = json.loads(proc.stdout.readline())
+    return proc, ep["front"], ep["back"]
+
+
+class DirectPath:
+    """The bench process is the worker's broker: dispatch in, deltas/final out."""
+
+    def __init__(self, ctx: zmq.Context, slots: int):
+        self.sock = ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        self.worker = spawn_worker(f"tcp://127.0.0.1:{port}", slots)
+        while True:  # wait for register
+            ident, frame = self.sock.recv_multipart()
+            if msgpack.unpackb(frame)["kind"] == "register":
+                break
+        self.ident = ident
+        # Long liveness: this side never heartbeats.
+        self.sock.send_multipart([ident, P.pack(P.registered(1.0, 1000))])
+        self.n = 0
+
+    def send(self, max_tokens: int, stream: bool) -> str:
+        self.n += 1
+        key = f"d{self.n}"
+        self.sock.send_multipart([self.ident, P.pack(P.dispatch(
+            key, 1, None, [7, 8, 9], None, {"max_tokens": max_tokens}, [], ""))])
+        return key
+
+    def recv(self) -> dict:
+        return msgpack.unpackb(self.sock.recv_multipart()[1])
+
+    def close(self) -> None:
+        self.worker.terminate()
+        self.worker.wait(5)
+        self.sock.close(0)
+
+
+class BrokeredPath:
+    def __init__(self, ctx: zmq.Context, front: str):
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(front)
+        self.n = 0
+
+    def send(self, max_tokens: int, stream: bool) -> str:
+        self.n += 1
+        rid = f"b{self.n}"
+        self.sock.send(P.pack(P.generate(rid, input_ids=[7, 8, 9], params={"max_tokens": max_tokens},
+                                         stream=stream)))
+        return rid
+
+    def recv(self) -> dict:
+        return msgpack.unpackb(self.sock.recv())
+
+    def close(self) -> None:
+        self.sock.close(0)
+
+
+def latency(path, n: int, warmup: int) -> list:
+    out = []
+    for i in range(n + warmup):
+        t0 = time.perf_counter()
+        path.send(1, False)
+        while True:
+            msg = path.recv()
+            if msg["kind"] in ("final", "error"):
+                break
+        if msg["kind"] == "error":
+            raise RuntimeError(msg)
+        if i >= warmup:
+            out.append((time.perf_counter() - t0) * 1e6)
+    return out
+
+
+def throughput(path, streams: int, tokens: int) -> dict:
+    t0 = time.perf_counter()
+    for _ in range(streams):
+        path.send(tokens, True)
+    deltas, finals = 0, 0
+    while finals < streams:
+        msg = path.recv()
+        kind = msg["kind"]
+        if kind == "delta":
+            deltas += 1
+        elif kind == "final":
+            finals += 1
+        elif kind == "error":
+            raise RuntimeError(msg)
+    elapsed = time.perf_counter() - t0
+    return {"messages": deltas, "seconds": elapsed, "messages_per_s": deltas / elapsed}
+
+
+def library_latency(front: str, n: int, warmup: int) -> list:
+    out = []
+    with Client(front) as c:
+        for i in range(n + warmup):
+            t0 = time.perf_counter()
+            c.generate(input_ids=[7, 8, 9], max_tokens=1)
+            if i >= warmup:
+                out.append((time.perf_counter() - t0) * 1e6)
+    return out
+
+
+_RAW_ECHO = """
+import sys, zmq
+s = zmq.Context().socket(zmq.DEALER); s.connect(sys.argv[1])
+while True:
+    s.send_multipart(s.recv_multipart())
+"""
+
+
+def hop_floor(ctx: zmq.Context, n: int) -> dict:
+    """What one extra hop costs with no logic at all: a raw echo reached
+    directly, then through libzmq's C proxy (zmq.proxy, ROUTER|DEALER)."""
+    def ping(front: str) -> list:
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(front)
+        out = []
+        for i in range(n + n // 10):
+            t0 = time.perf_counter()
+            s.send(b"x" * 48)
+            s.recv()
+            if i >= n // 10:
+                out.append((time.perf_counter() - t0) * 1e6)
+        s.close(0)
+        return out
+
+    direct_router = ctx.socket(zmq.ROUTER)
+    port = direct_router.bind_to_random_port("tcp://127.0.0.1")
+    direct_router.close(0)
+    proxy = subprocess.Popen([PY, "-c", "import sys, zmq\nc = zmq.Context()\n"
+                              "f = c.socket(zmq.ROUTER); f.bind(sys.argv[1])\n"
+                              "b = c.socket(zmq.DEALER); b.bind(sys.argv[2])\nzmq.proxy(f, b)",
+                              f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{port + 1}"])
+    echo_via_proxy = subprocess.Popen([PY, "-c", _RAW_ECHO, f"tcp://127.0.0.1:{port + 1}"])
+    # For the direct case the client itself binds a ROUTER-less path: echo connects to us.
+    try:
+        time.sleep(0.5)
+        via = ping(f"tcp://127.0.0.1:{port}")
+    finally:
+        proxy.kill()
+        echo_via_proxy.kill()
+        proxy.wait()
+        echo_via_proxy.wait()
+    # Direct: a ROUTER that echoes, reached by our DEALER.
+    echo_direct = subprocess.Popen([PY, "-c", "import sys, zmq\ns = zmq.Context().socket(zmq.ROUTER)\n"
+                                    "s.bind(sys.argv[1])\nwhile True:\n"
+                                    "    s.send_multipart(s.recv_multipart())",
+                                    f"tcp://127.0.0.1:{port + 2}"])
+    try:
+        time.sleep(0.5)
+        direct = ping(f"tcp://127.0.0.1:{port + 2}")
+    finally:
+        echo_direct.kill()
+        echo_direct.wait()
+    return {"direct_p50_us": round(percentile(direct, 50), 1),
+            "c_proxy_p50_us": round(percentile(via, 50), 1),
+            "added_p50_us": round(percentile(via, 50) - percentile(direct, 50), 1)}
+
+
+def summary(us: list) -> dict:
+    return {"p50_us": round(percentile(us, 50), 1), "p90_us": round(percentile(us, 90), 1),
+            "p99_us": round(percentile(us, 99), 1), "mean_us": round(statistics.fmean(us), 1),
+            "n": len(us)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--requests", type=int, default=5000, help="latency samples per path")
+    ap.add_argument("--streams", type=int, default=8, help="concurrent streams for throughput")
+    ap.add_argument("--tokens", type=int, default=25000, help="tokens (= deltas) per stream")
+    ap.add_argument("--repeats", type=int, default=3, help="throughput runs per path (best kept)")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", default=str(ROOT / "docs" / "benchmarks"))
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.requests, args.tokens, args.repeats = 1000, 5000, 1
+    warmup = max(args.requests // 10, 100)
+    ctx = zmq.Context.instance()
+    broker, front, back = spawn_broker()
+    bworker = spawn_worker(back, slots=args.streams)
+    direct = DirectPath(ctx, slots=args.streams)
+    brokered = BrokeredPath(ctx, front)
+    try:
+        with Client(front) as c:
+            while c.health()["workers"] < 1:
+                time.sleep(0.05)
+        # Interleave the paths so drift on the shared machine hits both alike.
+        lat_direct, lat_brokered = [], []
+        for _ in range(4):
+            lat_direct += latency(direct, args.requests // 4, warmup // 4)
+            lat_brokered += latency(brokered, args.requests // 4, warmup // 4)
+        lat_library = library_latency(front, args.requests // 4, warmup // 4)
+        tp_direct, tp_brokered = [], []
+        for _ in range(args.repeats):
+            tp_direct.append(throughput(direct, args.streams, args.tokens))
+            tp_brokered.append(throughput(brokered, args.streams, args.tokens))
+        with Client(front) as c:
+            broker_stats = c.stats()
+    finally:
+        direct.close()
+        brokered.close()
+        broker.terminate()
+        bworker.terminate()
+        bworker.wait(5)
+        broker.wait(5)
+    floor = hop_floor(ctx, args.requests // 2)
+
+    d, b, lib = summary(lat_direct), summary(lat_brokered), summary(lat_library)
+    best_d = max(tp_direct, key=lambda r: r["messages_per_s"])
+    best_b = max(tp_brokered, key=lambda r: r["messages_per_s"])
+    result = {
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
+                    "pyzmq": zmq.__version__, "libzmq": zmq.zmq_version(),
+                    "msgpack": ".".join(map(str, msgpack.version)), "transport": "tcp loopback"},
+        "latency": {"direct": d, "brokered": b, "client_library_brokered": lib,
+                    "added_p50_us": round(b["p50_us"] - d["p50_us"], 1),
+                    "added_p99_us": round(b["p99_us"] - d["p99_us"], 1)},
+        "throughput": {"streams": args.streams, "tokens_per_stream": args.tokens,
+                       "direct_messages_per_s": round(best_d["messages_per_s"]),
+                       "brokered_messages_per_s": round(best_b["messages_per_s"]),
+                       "runs_direct": [round(r["messages_per_s"]) for r in tp_direct],
+                       "runs_brokered": [round(r["messages_per_s"]) for r in tp_brokered]},
+        "hop_floor_c_proxy": floor,
+        "broker_counters": {k: broker_stats[k] for k in ("messages_in", "messages_out",
+                                                          "requests_by_outcome")},
+    }
+    table = render(result)
+    print(table)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "broker.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / "broker.md").write_text(MD_HEAD + table + "\n" + MD_TAIL)
+    return 0
+
+
+def render(r: dict) -> str:
+    lat, tp = r["latency"], r["throughput"]
+    rows = [
+        "| path | p50 µs | p90 µs | p99 µs | messages/s |",
+        "| --- | ---: | ---: | ---: | ---: |",
+        f"| direct client <-> worker | {lat['direct']['p50_us']} | {lat['direct']['p90_us']} | "
+        f"{lat['direct']['p99_us']} | {tp['direct_messages_per_s']:,} |",
+        f"| through the broker | {lat['brokered']['p50_us']} | {lat['brokered']['p90_us']} | "
+        f"{lat['brokered']['p99_us']} | {tp['brokered_messages_per_s']:,} |",
+        f"| through the broker, `Client` library | {lat['client_library_brokered']['p50_us']} | "
+        f"{lat['client_library_brokered']['p90_us']} | {lat['client_library_brokered']['p99_us']} | |",
+        f"| **added by the broker** | **{lat['added_p50_us']}** | | **{lat['added_p99_us']}** | |",
+    ]
+    m, f = r["machine"], r["hop_floor_c_proxy"]
+    rows.append("")
+    rows.append(f"Reference, no logic at all: a raw echo answers in {f['direct_p50_us']} µs p50 "
+                f"directly and {f['c_proxy_p50_us']} µs through libzmq's C `zmq.proxy`: one "
+                f"extra hop alone adds **{f['added_p50_us']} µs** here.")
+    rows.append("")
+    rows.append(f"{m['cpus']} CPUs, Python {m['python']}, pyzmq {m['pyzmq']} (libzmq {m['libzmq']}), "
+                f"msgpack {m['msgpack']}, {m['transport']}; throughput: {tp['streams']} streams x "
+                f"{tp['tokens_per_stream']:,} one-token deltas, best of "
+                f"{len(tp['runs_brokered'])} (runs: direct {tp['runs_direct']}, brokered "
+                f"{tp['runs_brokered']}).")
+    return "\n".join(rows) + "\n"
+
+
+MD_HEAD = """# Broker benchmark
+
+`benchmarks/broker_bench.py`: the broker alone with an echo worker (no model),
+side by side with a direct client <-> worker DEALER/ROUTER baseline in the same
+run. Latency is one request at a time (`max_tokens=1`, send -> final);
+throughput counts one-token deltas received by the client per second with
+several streams in flight. Client, broker and worker share the machine's CPUs.
+
+"""
+
+MD_TAIL = """
+Reproduce: `.venv/bin/python benchmarks/broker_bench.py` (figures in `broker.json`).
+"""
+
+
+if __name__ == "__main__":
+    sys.exit(main())

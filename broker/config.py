@@ -1,0 +1,28 @@
+"""Broker settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class BrokerConfig:
+    front: str = "tcp://127.0.0.1:5555"  # clients connect here (ROUTER)
+    back: str = "tcp://127.0.0.1:5556"  # workers connect here (ROUTER)
+    heartbeat_interval: float = 0.5  # seconds between heartbeats, both ways
+    liveness: int = 3  # heartbeats a worker may miss before it is dropped
+    queue_bound: int = 1024  # requests waiting for a free slot; past it: overloaded
+    max_frame_bytes: int = 1 << 20  # larger frames get frame_too_large
+    client_timeout: float = 30.0  # cancel the requests of a client silent this long
+    default_timeout: float = 300.0  # request deadline when the client sets none
+    cancel_grace: float = 2.0  # wait this long for a worker to confirm a cancel
+    max_redispatch: int = 3  # worker losses one request survives
+    send_hwm: int = 100_000  # per-peer outbound queue, in messages
+
+    def __post_init__(self) -> None:
+        if self.heartbeat_interval <= 0 or self.liveness < 1:
+            raise ValueError("heartbeat_interval must be > 0 and liveness >= 1")
+        if self.queue_bound < 0 or self.max_frame_bytes < 1024:
+            raise ValueError("queue_bound must be >= 0 and max_frame_bytes >= 1024")
+        if self.client_timeout <= 0 or self.default_timeout <= 0:
+            raise ValueError("client_timeout and default_timeout must be > 0")

@@ -1,0 +1,265 @@
+"""A model-free worker for tests and benchmarks, speaking the real worker
+protocol: it registers, heartbeats, and answers each dispatch by streaming
+the prompt's token ids back (cycled up to max_tokens), one step at a time.
+
+    python -m turbomq.broker.echo_worker --broker tcp://127.0.0.1:5556 --delay 0.01
+
+Output token i of a request is input_ids[i % len(input_ids)] (a text prompt
+becomes its code points), so a resumed stream is checkable exactly.
+`--die-after N` exits abruptly after N deltas, to simulate a crash.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import zmq
+
+from turbomq.clients import protocol as P
+from turbomq.clients.protocol import Code, Kind, ProtocolError
+
+
+@dataclass
+class EchoConfig:
+    broker: str = "tcp://127.0.0.1:5556"
+    worker_id: str = field(default_factory=lambda: "echo-" + uuid.uuid4().hex[:8])
+    slots: int = 8
+    kv_blocks: int = 1024
+    delay: float = 0.0  # seconds per step (0: as fast as the sockets go)
+    tokens_per_delta: int = 1
+    die_after: int = 0  # os._exit after this many deltas; 0 never
+    event_log: Optional[str] = None  # JSON lines: dispatch / cancel / end_session
+    model: str = "echo"
+
+
+def token_text(t: int) -> str:
+    return chr(t) if 32 <= t < 0xD800 else f"<{t}>"
+
+
+@dataclass(eq=False)
+class EchoRequest:
+    key: str
+    attempt: int
+    source: list  # the tokens echoed back
+    max_tokens: int
+    next_index: int  # resume point: tokens before it were delivered by someone else
+    session_id: Optional[str]
+    prompt_tokens: int
+
+
+class EchoWorker:
+    def __init__(self, config: EchoConfig, context: Optional[zmq.Context] = None):
+        self.config = config
+        self.ctx = context or zmq.Context.instance()
+        self.heartbeat_interval = 0.5
+        self.liveness = 3
+        self.active: dict[str, EchoRequest] = {}
+        self.waiting: deque[EchoRequest] = deque()
+        self.sessions: set[str] = set()
+        self.sessions_added: list[str] = []
+        self.sessions_removed: list[str] = []
+        self.deltas_sent = 0
+        self._stopping = False
+        self._log = open(config.event_log, "a", buffering=1) if config.event_log else None
+        self.sock: Optional[zmq.Socket] = None
+
+    def stop(self) -> None:
+        self._stopping = True
+
+    def _event(self, **fields) -> None:
+        if self._log is not None:
+            self._log.write(json.dumps({"worker_id": self.config.worker_id, **fields}) + "\n")
+
+    def _connect(self) -> None:
+        if self.sock is not None:
+            self.sock.close(0)
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(self.config.broker)
+        self.active.clear()
+        self.waiting.clear()
+        self.sessions_added, self.sessions_removed = [], []
+        self._send(P.register(self.config.worker_id, self.config.model, self.config.slots,
+                              self.config.kv_blocks))
+        self._first_heartbeat = True
+        self.last_heard = time.monotonic()
+        self.next_beat = 0.0
+
+    def _send(self, msg: dict) -> None:
+        self.sock.send(P.pack(msg))
+
+    def _heartbeat(self) -> None:
+        limit = 1024
+        added, self.sessions_added = self.sessions_added[:limit], self.sessions_added[limit:]
+        removed, self.sessions_removed = self.sessions_removed[:limit], self.sessions_removed[limit:]
+        self._send(P.heartbeat(free_slots=max(self.config.slots - len(self.active), 0),
+                               free_kv_blocks=self.config.kv_blocks, queue_len=len(self.waiting),
+                               sessions_reset=self._first_heartbeat, sessions_added=added,
+                               sessions_removed=removed))
+        self._first_heartbeat = False
+
+    def run(self) -> None:
+        self._connect()
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        self.next_beat = time.monotonic()
+        next_step = time.monotonic()
+        while not self._stopping:
+            now = time.monotonic()
+            wake = self.next_beat if not self.active else min(self.next_beat, next_step)
+            for _ in poller.poll(max(0.0, wake - now) * 1000.0):
+                self._drain()
+            now = time.monotonic()
+            if now - self.last_heard > self.heartbeat_interval * self.liveness:
+                poller.unregister(self.sock)
+                self._connect()  # the broker went away: start over
+                poller.register(self.sock, zmq.POLLIN)
+                continue
+            if now >= self.next_beat:
+                self._heartbeat()
+                self.next_beat = now + self.heartbeat_interval
+            if self.active and now >= next_step:
+                self._step()
+                next_step = now + self.config.delay
+        self.sock.close(0)
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                frame = self.sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self.last_heard = time.monotonic()
+            try:
+                msg = P.decode_broker_command(frame)
+            except ProtocolError as e:
+                self._send(P.error(None, e.code, e.message))
+                continue
+            kind = msg["kind"]
+            if kind == Kind.DISPATCH:
+                self._on_dispatch(msg)
+            elif kind == Kind.CANCEL:
+                self._on_cancel(msg["request_id"], msg["attempt"])
+            elif kind == Kind.END_SESSION:
+                self._on_end_session(msg["request_id"], msg["session_id"])
+            elif kind == Kind.REGISTERED:
+                self.heartbeat_interval = msg["heartbeat_interval"]
+                self.liveness = msg["liveness"]
+                self.next_beat = 0.0  # beat now, then at the broker's interval
+            elif kind == Kind.RECONNECT:
+                self.last_heard = 0.0  # the run loop reconnects
+
+    def _on_dispatch(self, msg: dict) -> None:
+        source = msg.get("input_ids") or [ord(c) for c in msg["prompt"]]
+        resume = msg["resume_tokens"]
+        params = msg.get("params") or {}
+        req = EchoRequest(key=msg["request_id"], attempt=msg["attempt"], source=source,
+                          max_tokens=params.get("max_tokens", 16), next_index=len(resume),
+                          session_id=msg.get("session_id"), prompt_tokens=len(source))
+        self._event(event="dispatch", request_id=req.key, attempt=req.attempt,
+                    resume=len(resume), session_id=req.session_id)
+        expected = [source[i % len(source)] for i in range(len(resume))]
+        if resume != expected:
+            self._send(P.error(req.key, Code.INVALID_REQUEST, "resume_tokens do not match "
+                               "this echo's output", attempt=req.attempt))
+            return
+        if req.session_id is not None and req.session_id not in self.sessions:
+            self.sessions.add(req.session_id)
+            self.sessions_added.append(req.session_id)
+        if len(self.active) < self.config.slots:
+            self.active[req.key] = req
+        else:
+            self.waiting.append(req)
+
+    def _on_cancel(self, key: str, attempt: int) -> None:
+        self._event(event="cancel", request_id=key, attempt=attempt)
+        req = self.active.pop(key, None)
+        if req is None:
+            for w in self.waiting:
+                if w.key == key:
+                    req = w
+                    self.waiting.remove(w)
+                    break
+        if req is not None and req.attempt == attempt:
+            self._final(req, "cancelled")
+        self._admit()
+
+    def _on_end_session(self, key: str, sid: str) -> None:
+        self._event(event="end_session", request_id=key, session_id=sid)
+        if sid in self.sessions:
+            self.sessions.discard(sid)
+            self.sessions_removed.append(sid)
+            self._send(P.session_ended(key, sid))
+        else:
+            self._send(P.error(key, Code.UNKNOWN_SESSION, f"no session {sid!r}"))
+
+    def _final(self, req: EchoRequest, reason: str, tokens: Optional[list] = None,
+               text: str = "") -> None:
+        usage = P.usage(req.prompt_tokens, 0, req.next_index)
+        self._send(P.worker_final(req.key, req.attempt, reason, usage, tokens or [], text))
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.active) < self.config.slots:
+            req = self.waiting.popleft()
+            self.active[req.key] = req
+
+    def _step(self) -> None:
+        """One 'decode step': every active request emits its next tokens."""
+        per = self.config.tokens_per_delta
+        done = []
+        for req in self.active.values():
+            start = req.next_index
+            end = min(start + per, req.max_tokens)
+            src, n = req.source, len(req.source)
+            tokens = [src[i % n] for i in range(start, end)]
+            text = "".join(token_text(t) for t in tokens)
+            req.next_index = end
+            if end >= req.max_tokens:
+                # The last step's tokens ride on the final, as the engine's do.
+                done.append(req)
+                self._final(req, "length", tokens, text)
+                continue
+            self._send(P.worker_delta(req.key, req.attempt, start, tokens, text))
+            self.deltas_sent += 1
+            if self.config.die_after and self.deltas_sent >= self.config.die_after:
+                os._exit(17)
+        for req in done:
+            del self.active[req.key]
+        self._admit()
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    d = EchoConfig()
+    p = argparse.ArgumentParser(prog="echo_worker", description=__doc__.split("\n\n")[0])
+    p.add_argument("--broker", default=d.broker)
+    p.add_argument("--worker-id", default=None)
+    p.add_argument("--slots", type=int, default=d.slots)
+    p.add_argument("--kv-blocks", type=int, default=d.kv_blocks)
+    p.add_argument("--delay", type=float, default=d.delay, help="seconds per step")
+    p.add_argument("--tokens-per-delta", type=int, default=d.tokens_per_delta)
+    p.add_argument("--die-after", type=int, default=0, help="exit abruptly after N deltas")
+    p.add_argument("--event-log", default=None)
+    args = p.parse_args(argv)
+    config = EchoConfig(broker=args.broker, slots=args.slots, kv_blocks=args.kv_blocks,
+                        delay=args.delay, tokens_per_delta=args.tokens_per_delta,
+                        die_after=args.die_after, event_log=args.event_log)
+    if args.worker_id:
+        config.worker_id = args.worker_id
+    worker = EchoWorker(config)
+    signal.signal(signal.SIGTERM, lambda *_: worker.stop())
+    signal.signal(signal.SIGINT, lambda *_: worker.stop())
+    worker.run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

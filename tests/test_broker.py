@@ -1,0 +1,297 @@
+"""The broker with echo workers, all real processes on loopback sockets."""
+
+from __future__ import annotations
+
+import random
+import sys
+import time
+
+import msgpack
+import pytest
+import zmq
+
+from turbomq.clients import Client, Overloaded, Timeout, Unavailable, UnknownSession
+from turbomq.clients import protocol as P
+
+from _service_helpers import Service, expected_echo
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def service(tmp_path):
+    services = []
+
+    def start(**broker_flags) -> Service:
+        folder = tmp_path / f"svc{len(services)}"
+        folder.mkdir()
+        s = Service(folder, **broker_flags)
+        services.append(s)
+        return s
+
+    yield start
+    for s in services:
+        s.close()
+
+
+@pytest.fixture
+def client_for():
+    clients = []
+
+    def make(svc: Service, **kw) -> Client:
+        c = Client(svc.front, timeout=kw.pop("timeout", 10.0), ping_interval=0.1, **kw)
+        clients.append(c)
+        return c
+
+    yield make
+    for c in clients:
+        c.close()
+
+
+def test_routes_by_load_and_queues(service, client_for):
+    svc = service()
+    svc.add_worker("w1", slots=2, delay=0.02)
+    svc.add_worker("w2", slots=2, delay=0.02)
+    c = client_for(svc)
+    svc.wait_workers(c, 2)
+    streams = [c.generate(input_ids=[i + 1, 7], max_tokens=10, stream=True) for i in range(6)]
+    # Same socket, so the broker has seen all six before this.
+    assert c.stats()["queue_depth"] == 2
+    results = {}
+    for s in streams:
+        events = list(s)
+        results[s.request_id] = [t for e in events[:-1] for t in e.token_ids]
+        assert events[-1].finish_reason == "length"
+    for i, s in enumerate(streams):
+        assert results[s.request_id] == expected_echo([i + 1, 7], 10)
+    first_four = sorted(svc.events("dispatch"), key=lambda e: int(e["request_id"], 16))[:4]
+    # The most free slots wins: the first four alternate between the workers.
+    assert sorted(e["worker_id"] for e in first_four) == ["w1", "w1", "w2", "w2"]
+    stats = c.stats()
+    assert stats["routing"]["stateless"] == 6
+    assert stats["requests_by_outcome"]["completed"] == 6
+    assert stats["queue_depth"] == 0 and stats["inflight"] == 0
+
+
+def test_session_affinity_then_moved_when_owner_full(service, client_for):
+    svc = service()
+    svc.add_worker("w1", slots=1, delay=0.05)
+    svc.add_worker("w2", slots=1, delay=0.05)
+    c = client_for(svc)
+    svc.wait_workers(c, 2)
+    chat = c.session("chat-1", max_tokens=2)
+    chat.send([5, 6])
+    chat.send([5, 6])
+    owner = svc.events("dispatch")[-1]["worker_id"]
+    assert [e["worker_id"] for e in svc.events("dispatch")] == [owner, owner]
+    # Occupy the owner's only slot, then the session must move.
+    blocker = None
+    for _ in range(4):
+        s = c.generate(input_ids=[1], max_tokens=40, stream=True)
+        next(s)
+        if svc.events("dispatch")[-1]["worker_id"] == owner:
+            blocker = s
+            break
+        s.close()
+        time.sleep(0.3)  # let the cancel free that slot
+    assert blocker is not None
+    chat.send([5, 6])
+    assert svc.events("dispatch")[-1]["worker_id"] != owner
+    blocker.close()
+    routing = c.stats()["routing"]
+    assert routing["new"] == 1 and routing["affinity"] == 1 and routing["moved"] == 1
+    chat.end()
+    assert svc.events("end_session")[-1]["worker_id"] != owner  # where it last ran
+    with pytest.raises(UnknownSession):
+        c.end_session("never-existed")
+
+
+def test_overloaded_past_queue_bound(service, client_for):
+    svc = service(**{"queue-bound": 1})
+    svc.add_worker("w1", slots=1, delay=0.02)
+    c = client_for(svc)
+    svc.wait_workers(c, 1)
+    running = c.generate(input_ids=[1], max_tokens=15, stream=True)
+    queued = c.generate(input_ids=[2], max_tokens=3, stream=True)
+    with pytest.raises(Overloaded) as info:
+        c.generate(input_ids=[3], max_tokens=3)
+    assert info.value.retryable and info.value.code == "overloaded"
+    assert list(running)[-1].finish_reason == "length"
+    assert [t for e in list(queued)[:-1] for t in e.token_ids] == [2, 2, 2]
+    assert c.stats()["requests_by_outcome"]["overloaded"] == 1
+
+
+def test_cancel_is_forwarded(service, client_for):
+    svc = service()
+    svc.add_worker("w1", slots=2, delay=0.02)
+    c = client_for(svc)
+    svc.wait_workers(c, 1)
+    stream = c.generate(input_ids=[9], max_tokens=200, stream=True)
+    first = [next(stream), next(stream)]
+    stream.cancel()
+    rest = list(stream)
+    final = rest[-1]
+    assert final.finish_reason == "cancelled"
+    assert final.usage.completion_tokens < 200
+    assert svc.wait_event("cancel")[0]["request_id"] == svc.events("dispatch")[0]["request_id"]
+    indices = [e.index for e in first + rest[:-1]]
+    assert indices == list(range(len(indices)))
+    assert c.stats()["requests_by_outcome"]["cancelled"] == 1
+
+
+def test_client_disconnect_and_silence_cancel(service, client_for):
+    svc = service(**{"client-timeout": 0.5})
+    svc.add_worker("w1", slots=4, delay=0.02)
+    c = client_for(svc)
+    svc.wait_workers(c, 1)
+    ctx = zmq.Context.instance()
+    # 1) a streaming client that closes its socket: the next delta finds it gone.
+    gone = ctx.socket(zmq.DEALER)
+    gone.connect(svc.front)
+    gone.send(P.pack(P.generate("r1", input_ids=[1], params={"max_tokens": 500}, stream=True)))
+    assert gone.poll(5000)
+    gone.recv()
+    gone.close(0)
+    svc.wait_event("cancel", 1)
+    # 2) a non-streaming client that stops sending pings.
+    silent = ctx.socket(zmq.DEALER)
+    silent.setsockopt(zmq.LINGER, 0)
+    silent.connect(svc.front)
+    silent.send(P.pack(P.generate("r2", input_ids=[2], params={"max_tokens": 500})))
+    cancels = svc.wait_event("cancel", 2, within=5.0)
+    silent.close(0)
+    assert {e["request_id"] for e in cancels} == {e["request_id"] for e in svc.events("dispatch")}
+    assert c.stats()["requests_by_outcome"]["client_gone"] == 2
+
+
+def test_deadline_cancels_with_timeout(service, client_for):
+    svc = service()
+    svc.add_worker("w1", slots=1, delay=0.05)
+    c = client_for(svc)
+    svc.wait_workers(c, 1)
+    with pytest.raises(Timeout) as info:
+        c.generate(input_ids=[1], max_tokens=1000, timeout=0.3)
+    assert info.value.code == "timeout"
+    svc.wait_event("cancel")
+    assert c.generate(input_ids=[4], max_tokens=2).token_ids == [4, 4]  # the slot came back
+
+
+def test_sigkill_mid_stream_resumes_without_gap_or_duplicate(service, client_for):
+    svc = service()
+    svc.add_worker("w1", slots=2, delay=0.02)
+    svc.add_worker("w2", slots=2, delay=0.02)
+    c = client_for(svc)
+    svc.wait_workers(c, 2)
+    source = [11, 12, 13]
+    stream = c.generate(input_ids=source, max_tokens=60, stream=True)
+    events = [next(stream) for _ in range(10)]
+    victim = svc.events("dispatch")[0]["worker_id"]
+    svc.kill_worker(victim)
+    events += list(stream)
+    final, deltas = events[-1], events[:-1]
+    assert final.finish_reason == "length" and final.usage.completion_tokens == 60
+    assert [d.seq for d in deltas] == list(range(len(deltas)))
+    assert [d.index for d in deltas] == list(range(60))
+    assert [t for d in deltas for t in d.token_ids] == expected_echo(source, 60)
+    second = svc.events("dispatch")[1]
+    assert second["worker_id"] != victim and second["attempt"] == 2 and second["resume"] >= 10
+    stats = c.stats()
+    assert stats["redispatches_resumed"] == 1 and stats["workers_lost"] == 1
+
+
+def test_crash_before_and_during_non_streaming(service, client_for):
+    svc = service()
+    # The crashing worker has the most free slots, so it is picked first.
+    svc.add_worker("crashy", slots=8, delay=0.0, die_after=3)
+    svc.add_worker("steady", slots=1, delay=0.0)
+    c = client_for(svc)
+    svc.wait_workers(c, 2)
+    result = c.generate(input_ids=[3, 4], max_tokens=20)
+    assert result.token_ids == expected_echo([3, 4], 20)
+    assert result.text == "".join(chr(t) if t >= 32 else f"<{t}>" for t in result.token_ids)
+    assert result.usage.completion_tokens == 20
+    attempts = [(e["worker_id"], e["attempt"]) for e in svc.events("dispatch")]
+    assert attempts == [("crashy", 1), ("steady", 2)]
+
+
+def test_last_worker_lost_fails_with_worker_lost(service, client_for):
+    svc = service()
+    svc.add_worker("only", slots=1, delay=0.05)
+    c = client_for(svc)
+    svc.wait_workers(c, 1)
+    stream = c.generate(input_ids=[1], max_tokens=100, stream=True)
+    next(stream)
+    svc.kill_worker("only")
+    with pytest.raises(Unavailable) as info:
+        list(stream)
+    assert info.value.code == "worker_lost" and info.value.retryable
+    with pytest.raises(Unavailable) as info:
+        c.generate(input_ids=[1])
+    assert info.value.code == "no_workers"
+
+
+def _malformed_frames(rng: random.Random) -> list:
+    valid = P.generate("ok", input_ids=[1, 2], params={"max_tokens": 2})
+    frames = [rng.randbytes(rng.randint(0, 64)) for _ in range(60)]
+    frames += [msgpack.packb(x) for x in (None, 1, "generate", [1, 2], {"v": 1}, {"kind": "x"},
+                                          {"v": 2, "kind": "generate"}, {"v": "1", "kind": "health"},
+                                          {"v": 1, "kind": "nope", "request_id": "a"})]
+    for _ in range(60):
+        m = dict(valid)
+        key = rng.choice(list(m))
+        m[key] = rng.choice([None, -1, 2 ** 40, "x" * 300, [1.5], {"a": 1}, b"\x00", True])
+        frame = msgpack.packb(m, use_bin_type=True)
+        try:
+            P.decode_client_request(frame)
+        except P.ProtocolError:
+            frames.append(frame)  # only the ones that are really malformed
+    frames.append(P.pack({**valid, "input_ids": list(range(400_000))}))  # > 1 MiB
+    return frames
+
+
+def test_front_fuzz_then_valid_request(service, client_for):
+    svc = service()
+    svc.add_worker("w1", slots=2)
+    c = client_for(svc)
+    svc.wait_workers(c, 1)
+    frames = _malformed_frames(random.Random(1234))
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(svc.front)
+    for f in frames:
+        sock.send(f)
+    sock.send_multipart([b"two", b"frames"])
+    replies = []
+    deadline = time.monotonic() + 10
+    while len(replies) < len(frames) + 1 and time.monotonic() < deadline:
+        if sock.poll(200):
+            replies.append(P.decode_client_reply(sock.recv()))
+    sock.close(0)
+    assert len(replies) == len(frames) + 1
+    assert all(r["kind"] == "error" and r["code"] in P.ALL_CODES for r in replies)
+    assert {"bad_frame", "bad_version", "unknown_kind", "invalid_field",
+            "frame_too_large"} <= {r["code"] for r in replies}
+    assert c.generate(input_ids=[8], max_tokens=3).token_ids == [8, 8, 8]
+    assert sum(c.stats()["frames_rejected"].values()) == len(frames) + 1
+
+
+def test_unknown_worker_is_told_to_reconnect(service):
+    svc = service()
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(svc.back)
+    sock.send(P.pack(P.heartbeat(free_slots=1, free_kv_blocks=1, queue_len=0)))
+    assert sock.poll(5000)
+    assert P.decode_broker_command(sock.recv())["kind"] == "reconnect"
+    sock.send(P.pack(P.register("raw", "m", 1, 10)))
+    assert sock.poll(5000)
+    reg = P.decode_broker_command(sock.recv())
+    assert reg["kind"] == "registered" and reg["heartbeat_interval"] == 0.1
+    sock.close(0)
+
+
+def test_broker_and_client_do_not_import_torch():
+    import subprocess
+    code = ("import sys, turbomq.broker, turbomq.broker.echo_worker, turbomq.clients; "
+            "sys.exit(1 if 'torch' in sys.modules else 0)")
+    assert subprocess.run([sys.executable, "-c", code], timeout=30).returncode == 0

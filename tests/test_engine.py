@@ -305,3 +305,19 @@ def test_allocation_policies_give_the_same_tokens(policy):
     ref = engine().generate(input_ids=prompts, params=params)
     got = engine(alloc_policy=policy, num_kv_blocks=12).generate(input_ids=prompts, params=params)
     assert [r.token_ids for r in got] == [r.token_ids for r in ref]
+
+
+@pytest.mark.parametrize("params", [SamplingParams(max_tokens=20, **GREEDY),
+                                    SamplingParams(max_tokens=20, temperature=1.0, seed=9,
+                                                   ignore_eos=True)], ids=["greedy", "seeded"])
+def test_resume_continues_a_generation(params):
+    """A request moved to another worker continues from the delivered tokens."""
+    eng = engine()
+    full = eng.generate(prompts=["Once upon a time"], params=params)[0]
+    events = []
+    eng.submit(prompt="Once upon a time", params=params, resume_tokens=full.token_ids[:7],
+               callback=events.append)
+    while eng.has_work():
+        eng.step()
+    assert [t for e in events for t in e.token_ids] == full.token_ids[7:]
+    assert events[-1].usage.completion_tokens == 20

@@ -172,8 +172,12 @@ class Engine:
     # ------------------------------------------------------------ public API
     def submit(self, input_ids: Optional[Seq[int]] = None, params: Optional[SamplingParams] = None,
                session_id: Optional[str] = None, callback: Optional[Callback] = None,
-               prompt: Optional[str] = None, request_id: Optional[str] = None) -> str:
+               prompt: Optional[str] = None, request_id: Optional[str] = None,
+               resume_tokens: Seq[int] = ()) -> str:
         """Queue one request; tokens reach `callback` from the step thread.
+        `resume_tokens` continues a generation that another worker started:
+        those tokens count as already generated and delivered (they are not
+        streamed again) and the seeded sampler skips their draws.
         Raises a typed EngineError for bad input; nothing is queued then."""
         params = params or SamplingParams()
         params.validate(self.model_config.vocab_size)
@@ -189,6 +193,10 @@ class Engine:
             input_ids = self.tokenizer.encode(prompt, add_bos=session_id is None or
                                               not self._session_has_history(session_id))
         new_prompt = self._check_ids(input_ids)
+        resume = self._check_ids(resume_tokens, allow_empty=True)
+        if len(resume) >= params.max_tokens:
+            raise errors.InvalidRequest(
+                f"{len(resume)} resumed tokens already reach max_tokens={params.max_tokens}")
         if session_id is not None and not isinstance(session_id, str):
             raise errors.InvalidRequest("session_id must be a string")
         request_id = request_id or uuid.uuid4().hex
@@ -204,7 +212,7 @@ class Engine:
                 with self._lock:
                     self._busy_sessions.discard(session_id)
                 raise
-        tokens = history + new_prompt
+        tokens = history + new_prompt + resume
         limit = min(self.max_model_len, self.max_tokens_in_pool)
         if len(tokens) >= limit:
             if session_id is not None:
@@ -213,11 +221,15 @@ class Engine:
             raise errors.PromptTooLong(
                 f"prompt of {len(new_prompt)} tokens plus {len(history)} session tokens leaves no "
                 f"room to generate within the context limit of {limit} tokens")
+        prompt_len = len(history) + len(new_prompt)
         seq = Sequence(request_id=request_id, kv_key=0, session_id=session_id, tokens=tokens,
-                       prompt_len=len(tokens), params=params, history_len=len(history))
-        req = _Request(seq=seq, new_prompt=new_prompt,
-                       text=TextStream(self.tokenizer, tokens[-8:], params.stop),
-                       rng=SeedRNG(params.seed), callback=callback or (lambda _e: None))
+                       prompt_len=prompt_len, params=params, history_len=len(history))
+        text = TextStream(self.tokenizer, tokens[max(prompt_len - 8, 0):prompt_len], params.stop)
+        for token in resume:  # already delivered: only advance the detokenizer
+            text.push(token)
+        req = _Request(seq=seq, new_prompt=new_prompt, text=text,
+                       rng=SeedRNG(params.seed).advance(0 if params.is_greedy else len(resume)),
+                       callback=callback or (lambda _e: None), emitted_tokens=len(resume))
         with self._lock:
             if request_id in self._live:
                 raise errors.InvalidRequest(f"request id {request_id!r} is already in use")
@@ -417,8 +429,6 @@ class Engine:
 
     def _on_token(self, req: _Request, token: int) -> None:
         seq, params = req.seq, req.seq.params
-        if seq.num_generated == 1:
-            self.counters["reused_tokens"] += seq.cached_tokens
         delta, hit_stop = req.text.push(token)
         reason = None
         if hit_stop or token in params.stop_token_ids or (token in self.eos_ids and not params.ignore_eos):
@@ -462,6 +472,7 @@ class Engine:
         self.counters["prompt_tokens"] += seq.prompt_len
         self.counters["generated_tokens"] += seq.num_generated
         self.counters["reprefilled_tokens"] += seq.reprefilled_tokens
+        self.counters["reused_tokens"] += seq.cached_tokens
         usage = Usage(seq.prompt_len, seq.cached_tokens, seq.num_generated)
         with self._lock:
             self._live.pop(seq.request_id, None)
@@ -531,11 +542,11 @@ class Engine:
         except SessionStoreError as e:
             raise errors.SessionStoreUnavailable(str(e)) from e
 
-    def _check_ids(self, input_ids: object) -> list[int]:
+    def _check_ids(self, input_ids: object, allow_empty: bool = False) -> list[int]:
         if isinstance(input_ids, (str, bytes)) or not hasattr(input_ids, "__iter__"):
             raise errors.InvalidRequest("input_ids must be a list of integers")
         ids = list(input_ids)
-        if not ids:
+        if not ids and not allow_empty:
             raise errors.InvalidRequest("prompt is empty")
         vocab = self.model_config.vocab_size
         for t in ids:

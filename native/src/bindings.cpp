@@ -5,6 +5,9 @@ namespace py = pybind11;
 
 namespace turbomq {
 void bind_kv_cache(py::module_& m);  // kv_cache_bindings.cpp
+#ifdef TURBOMQ_WITH_CUDA
+void bind_cuda(py::module_& m);  // native/cuda/cuda_bindings.cpp
+#endif
 }  // namespace turbomq
 
 PYBIND11_MODULE(_native, m) {
@@ -15,4 +18,7 @@ PYBIND11_MODULE(_native, m) {
   m.attr("with_cuda") = false;
 #endif
   turbomq::bind_kv_cache(m);
+#ifdef TURBOMQ_WITH_CUDA
+  turbomq::bind_cuda(m);
+#endif
 }

@@ -1,5 +1,5 @@
 """The op layer the model runs on. `reference` is pure PyTorch: the CPU backend
-and the oracle for the native CUDA kernels."""
+and the oracle for the native CUDA kernels in `cuda`."""
 
 from __future__ import annotations
 
@@ -14,5 +14,10 @@ __all__ = ["AttentionBatch", "ops_for", "reference"]
 
 
 def ops_for(device: torch.device) -> ModuleType:
-    """The backend that runs on `device`."""
+    """The backend that runs on `device`: CUDA kernels when the native module
+    was built with them, else the reference."""
+    if torch.device(device).type == "cuda":
+        from . import cuda
+        if cuda.available():
+            return cuda
     return reference

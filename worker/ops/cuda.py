@@ -28,10 +28,14 @@ else:
 
 _k = getattr(_native_module, "cuda", None)
 
-# Smallest split-K partition: one 16-token step for each of a block's four
-# warps. Small batches are latency-bound (each warp's steps are a chain of
-# dependent loads), so they split down to this.
-MIN_PARTITION = 64
+# Split-K planning, fitted to a sweep of forced partition sizes on an H100
+# (docs/kernels.md): aim for ~6 blocks per multiprocessor, but keep
+# partitions >= 512 keys, since a block's fixed costs (q load, combining its
+# warps, the reduce) outweigh extra parallelism below that. Only a grid that
+# would not give every multiprocessor one block goes down to 128 keys.
+BLOCKS_PER_SM = 6
+MIN_PARTITION = 512
+MIN_PARTITION_TINY = 128
 
 
 def unavailable_reason() -> Optional[str]:
@@ -234,14 +238,15 @@ def _tiles(batch: AttentionBatch, group: int, device: torch.device):
 
 def plan_partitions(blocks: int, max_context: int, sm_count: int,
                     partition_size: Optional[int] = None) -> tuple[int, int]:
-    """(partition_size, num_parts) for split-K: split a context only while the
-    grid has fewer than ~8 blocks per multiprocessor."""
+    """(partition_size, num_parts) for split-K over `blocks` (tiles x KV heads)."""
     align = _k.ATTENTION_PARTITION_ALIGN if _k is not None else 64
     max_context = max(1, max_context)
+    blocks = max(1, blocks)
     if partition_size is None:
-        parts = -(-8 * sm_count // max(1, blocks))
-        parts = max(1, min(parts, -(-max_context // MIN_PARTITION)))
-        partition_size = -(-max_context // parts)
+        parts = -(-BLOCKS_PER_SM * sm_count // blocks)
+        tiny = blocks * -(-max_context // MIN_PARTITION) < sm_count
+        floor = MIN_PARTITION_TINY if tiny else MIN_PARTITION
+        partition_size = max(floor, -(-max_context // parts))
     partition_size = max(align, -(-partition_size // align) * align)
     return partition_size, -(-max_context // partition_size)
 

@@ -1,0 +1,501 @@
+// Paged attention over block tables: decode (one query per sequence) and
+// prefill with history (Q shorter than K, causal in the new part), one kernel.
+//
+// Work unit: a tile of 16 rows, row r = (query i, head h) of one sequence
+// whose heads share one KV head (r = i * group + h), so each K/V element read
+// from memory serves every query head of its KV head (GQA). A block of four
+// warps takes one (tile, KV head, context partition); the warps stride over
+// 16-token groups of the partition with an online softmax each, then combine
+// through shared memory. Both products run on tensor cores
+// (mma.m16n8k16, fp32 accumulation):
+//   S = Q K^T : K fragments come straight from 16-byte global loads. The
+//     reduction dimension is permuted so that a lane's 16 contiguous bytes
+//     are its B fragment; Q's A fragments use the same permutation.
+//   O += P V  : P is S's accumulator re-packed (the FlashAttention-2
+//     register reuse); V's B fragments need tokens along the reduction
+//     dimension, so each 8x8 sub-tile is transposed in registers
+//     (movmatrix) and the output columns come out permuted, which the
+//     epilogue undoes.
+// INT8 KV is widened to 16-bit exactly (|q| <= 127) in registers; the
+// per-token K scale multiplies S, the V scale is folded into P.
+// Split-K: with several partitions each block writes its normalized partial
+// output, max and sum; attention_reduce_kernel combines them.
+#include "common.cuh"
+
+namespace turbomq {
+namespace cuda {
+namespace {
+
+constexpr int kWarps = 4;
+constexpr int kThreads = kWarps * 32;
+constexpr int kRows = kAttentionTileRows;  // 16: the mma's M
+constexpr int kGroupTokens = 16;           // tokens per warp step: the PV mma's K
+constexpr float kLog2e = 1.4426950408889634f;
+
+struct Params {
+  void* out;
+  const void* q;
+  std::int64_t q_stride_tok, q_stride_head;
+  const void* k_cache;
+  const void* v_cache;
+  const float* k_scale;
+  const float* v_scale;
+  const int* block_tables;
+  int max_blocks;
+  const int* cu_q_lens;
+  const int* context_lens;
+  const int* tiles;
+  int num_heads, num_kv_heads, group, block_shift;
+  float scale_log2;
+  int partition_size, num_parts;
+  float* part_o;
+  float* part_ml;
+  std::int64_t part_rows;  // num_tiles * nkv * num_parts * kRows: offset of the sums in part_ml
+};
+
+// What a tile covers: its sequence, first row, rows in use and key range.
+struct Tile {
+  int seq, row0, rows, q_start, n, ctx, kmax;
+};
+
+__device__ __forceinline__ Tile load_tile(const Params& p, int tile) {
+  Tile t;
+  int rt = 0;
+  t.seq = tile;
+  if (p.tiles != nullptr) {
+    t.seq = p.tiles[2 * tile];
+    rt = p.tiles[2 * tile + 1];
+  }
+  t.q_start = p.cu_q_lens[t.seq];
+  t.n = p.cu_q_lens[t.seq + 1] - t.q_start;
+  t.ctx = p.context_lens[t.seq];
+  t.row0 = rt * kRows;
+  t.rows = min(kRows, t.n * p.group - t.row0);
+  // The last query of the tile sees the most keys: it sits at ctx - n + i.
+  const int last_query = (t.row0 + t.rows - 1) / p.group;
+  t.kmax = t.ctx - t.n + last_query + 1;
+  return t;
+}
+
+template <typename T>
+struct MmaType;
+template <>
+struct MmaType<__half> {
+  __device__ __forceinline__ static std::uint32_t pack(float lo, float hi) {
+    __half2 h = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<std::uint32_t*>(&h);
+  }
+  // Four int8 (bytes of w, low first) -> two half2, exactly: 1024 + (x + 128)
+  // is built in the mantissa, then 1152 is subtracted.
+  __device__ __forceinline__ static void widen_int8(std::uint32_t w, std::uint32_t* out) {
+    const std::uint32_t u = w ^ 0x80808080u;
+    const __half2 bias = __half2half2(__ushort_as_half(0x6480));  // 1152
+    std::uint32_t lo = __byte_perm(u, 0x64646464u, 0x4140);
+    std::uint32_t hi = __byte_perm(u, 0x64646464u, 0x4342);
+    __half2 a = __hsub2(*reinterpret_cast<__half2*>(&lo), bias);
+    __half2 b = __hsub2(*reinterpret_cast<__half2*>(&hi), bias);
+    out[0] = *reinterpret_cast<std::uint32_t*>(&a);
+    out[1] = *reinterpret_cast<std::uint32_t*>(&b);
+  }
+  __device__ __forceinline__ static void mma(float* c, const std::uint32_t* a, std::uint32_t b0,
+                                             std::uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+};
+template <>
+struct MmaType<__nv_bfloat16> {
+  __device__ __forceinline__ static std::uint32_t pack(float lo, float hi) {
+    __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<std::uint32_t*>(&h);
+  }
+  // Four int8 -> two bf16x2, exactly: 2^23 + (x + 128) is built in a float's
+  // mantissa, the offset subtracted, and the (exact) upper halves kept.
+  __device__ __forceinline__ static void widen_int8(std::uint32_t w, std::uint32_t* out) {
+    const std::uint32_t u = w ^ 0x80808080u;
+    float f[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      f[i] = __uint_as_float(__byte_perm(u, 0x4B000000u, 0x7540 + i)) - 8388736.0f;
+    }
+    out[0] = __byte_perm(__float_as_uint(f[0]), __float_as_uint(f[1]), 0x7632);
+    out[1] = __byte_perm(__float_as_uint(f[2]), __float_as_uint(f[3]), 0x7632);
+  }
+  __device__ __forceinline__ static void mma(float* c, const std::uint32_t* a, std::uint32_t b0,
+                                             std::uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+};
+
+__device__ __forceinline__ std::uint32_t transpose8x8(std::uint32_t x) {
+  std::uint32_t y;
+  asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(y) : "r"(x));
+  return y;
+}
+
+// 16 bytes of K or V -> kPairs 32-bit registers of two 16-bit values each.
+template <typename T, bool kInt8>
+__device__ __forceinline__ void widen(const uint4& raw, std::uint32_t* pairs) {
+  const std::uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    if constexpr (kInt8) {
+      MmaType<T>::widen_int8(w[i], pairs + 2 * i);
+    } else {
+      pairs[i] = w[i];
+    }
+  }
+}
+
+// Lane (g = lane / 4, c = lane % 4) owns, for chunk j, dims
+// [kChunk * (4 * j + c), + kChunk) of a token: one 16-byte load.
+template <typename T, bool kInt8, int D>
+__global__ void __launch_bounds__(kThreads) paged_attention_kernel(const Params p) {
+  constexpr int kChunk = kInt8 ? 16 : 8;  // elements per 16-byte load
+  constexpr int kJ = D / (4 * kChunk);     // loads per token per lane
+  constexpr int kPairs = kChunk / 2;       // 32-bit pairs per chunk
+  constexpr int kElem = kInt8 ? 1 : 2;
+  static_assert(kJ >= 1 && D % (4 * kChunk) == 0, "head_dim must be a multiple of 4 chunks");
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane >> 2, c = lane & 3;
+  const int kvh = blockIdx.y, part = blockIdx.z;
+  const Tile tile = load_tile(p, blockIdx.x);
+  const int k_begin = part * p.partition_size;
+  if (k_begin >= tile.kmax) return;  // past this tile's keys; the reduce skips it
+  const int k_end = min(k_begin + p.partition_size, tile.kmax);
+
+  // Rows g and g + 8 of the tile: their query position (-1: unused row).
+  int qpos[2];
+  std::uint32_t qa[2][kJ][kPairs];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = g + 8 * h;
+    qpos[h] = -1;
+#pragma unroll
+    for (int j = 0; j < kJ; ++j)
+#pragma unroll
+      for (int i = 0; i < kPairs; ++i) qa[h][j][i] = 0u;
+    if (r < tile.rows) {
+      const int qi = (tile.row0 + r) / p.group;
+      const int head = kvh * p.group + (tile.row0 + r) % p.group;
+      qpos[h] = tile.ctx - tile.n + qi;
+      const T* src = static_cast<const T*>(p.q) + (tile.q_start + qi) * p.q_stride_tok +
+                     head * p.q_stride_head;
+#pragma unroll
+      for (int j = 0; j < kJ; ++j) {
+#pragma unroll
+        for (int v = 0; v < kPairs / 4; ++v) {
+          const uint4 x = *reinterpret_cast<const uint4*>(src + kChunk * (4 * j + c) + 8 * v);
+          qa[h][j][4 * v + 0] = x.x;
+          qa[h][j][4 * v + 1] = x.y;
+          qa[h][j][4 * v + 2] = x.z;
+          qa[h][j][4 * v + 3] = x.w;
+        }
+      }
+    }
+  }
+
+  float acc[kJ][kPairs][4];
+#pragma unroll
+  for (int j = 0; j < kJ; ++j)
+#pragma unroll
+    for (int i = 0; i < kPairs; ++i)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[j][i][e] = 0.0f;
+  float m[2] = {-INFINITY, -INFINITY};
+  float l[2] = {0.0f, 0.0f};
+
+  const int* table = p.block_tables + static_cast<std::int64_t>(tile.seq) * p.max_blocks;
+  const int block_mask = (1 << p.block_shift) - 1;
+  const char* k_base = static_cast<const char*>(p.k_cache);
+  const char* v_base = static_cast<const char*>(p.v_cache);
+
+  for (int base = k_begin + warp * kGroupTokens; base < k_end; base += kWarps * kGroupTokens) {
+    // Each lane loads token base + 8 * half + g; tokens past the range are
+    // clamped to a valid one (finite data) and masked below.
+    uint4 kraw[2][kJ], vraw[2][kJ];
+    float ks[2] = {1.0f, 1.0f}, vs[2] = {1.0f, 1.0f};
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+      const int tok = min(base + 8 * t + g, k_end - 1);
+      const int block = __ldg(table + (tok >> p.block_shift));
+      const std::int64_t row =
+          (static_cast<std::int64_t>(block) * p.num_kv_heads + kvh) * (block_mask + 1) +
+          (tok & block_mask);
+      const char* kp = k_base + row * D * kElem;
+      const char* vp = v_base + row * D * kElem;
+#pragma unroll
+      for (int j = 0; j < kJ; ++j) {
+        kraw[t][j] = __ldg(reinterpret_cast<const uint4*>(kp + (4 * j + c) * 16));
+        vraw[t][j] = __ldg(reinterpret_cast<const uint4*>(vp + (4 * j + c) * 16));
+      }
+      if constexpr (kInt8) {
+        ks[t] = __ldg(p.k_scale + row);
+        vs[t] = __ldg(p.v_scale + row);
+      }
+    }
+
+    // S = Q K^T for the two 8-token halves; s[t][0..1]: row g, tokens
+    // 8t + 2c + {0,1}; s[t][2..3]: row g + 8.
+    float s[2][4];
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[t][e] = 0.0f;
+#pragma unroll
+      for (int j = 0; j < kJ; ++j) {
+        std::uint32_t kb[kPairs];
+        widen<T, kInt8>(kraw[t][j], kb);
+#pragma unroll
+        for (int st = 0; st < kPairs / 2; ++st) {
+          const std::uint32_t a[4] = {qa[0][j][2 * st], qa[1][j][2 * st], qa[0][j][2 * st + 1],
+                                      qa[1][j][2 * st + 1]};
+          MmaType<T>::mma(s[t], a, kb[2 * st], kb[2 * st + 1]);
+        }
+      }
+    }
+
+    // Scale (log2 domain), dequantize K, mask; then the online softmax.
+    float vsc[2][2];
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int src_lane = (2 * c + e) * 4;  // the lane that loaded this token
+        const float kscale = kInt8 ? __shfl_sync(0xffffffffu, ks[t], src_lane) : 1.0f;
+        vsc[t][e] = kInt8 ? __shfl_sync(0xffffffffu, vs[t], src_lane) : 1.0f;
+        const int tok = base + 8 * t + 2 * c + e;
+        const float f = p.scale_log2 * kscale;
+        s[t][e] = (tok < k_end && tok <= qpos[0]) ? s[t][e] * f : -INFINITY;
+        s[t][2 + e] = (tok < k_end && tok <= qpos[1]) ? s[t][2 + e] * f : -INFINITY;
+      }
+    }
+    float alpha[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float mx = fmaxf(fmaxf(s[0][2 * h], s[0][2 * h + 1]), fmaxf(s[1][2 * h], s[1][2 * h + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float m_new = fmaxf(m[h], mx);
+      const float ref = m_new == -INFINITY ? 0.0f : m_new;  // all masked so far: keep exp2 finite
+      alpha[h] = exp2f(m[h] - ref);
+      m[h] = m_new;
+      float sum = 0.0f;
+#pragma unroll
+      for (int t = 0; t < 2; ++t) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          s[t][2 * h + e] = exp2f(s[t][2 * h + e] - ref);
+          sum += s[t][2 * h + e];
+        }
+      }
+      l[h] = l[h] * alpha[h] + sum;
+    }
+#pragma unroll
+    for (int j = 0; j < kJ; ++j)
+#pragma unroll
+      for (int i = 0; i < kPairs; ++i) {
+        acc[j][i][0] *= alpha[0];
+        acc[j][i][1] *= alpha[0];
+        acc[j][i][2] *= alpha[1];
+        acc[j][i][3] *= alpha[1];
+      }
+
+    // P as the A fragment of a k16 step: tokens 0..7 then 8..15.
+    const std::uint32_t pa[4] = {
+        MmaType<T>::pack(s[0][0] * vsc[0][0], s[0][1] * vsc[0][1]),
+        MmaType<T>::pack(s[0][2] * vsc[0][0], s[0][3] * vsc[0][1]),
+        MmaType<T>::pack(s[1][0] * vsc[1][0], s[1][1] * vsc[1][1]),
+        MmaType<T>::pack(s[1][2] * vsc[1][0], s[1][3] * vsc[1][1])};
+
+    // O += P V. Pair i of chunk j, transposed across the 8 lanes of each
+    // token, gives lane (g, c) tokens 2c, 2c+1 of dim
+    // kChunk * (4j + g/2) + 2i + g%2: the B fragment of output column g.
+#pragma unroll
+    for (int j = 0; j < kJ; ++j) {
+      std::uint32_t v0[kPairs], v1[kPairs];
+      widen<T, kInt8>(vraw[0][j], v0);
+      widen<T, kInt8>(vraw[1][j], v1);
+#pragma unroll
+      for (int i = 0; i < kPairs; ++i) {
+        MmaType<T>::mma(acc[j][i], pa, transpose8x8(v0[i]), transpose8x8(v1[i]));
+      }
+    }
+  }
+
+  // Combine the warps: each writes its unnormalized output, max and sum.
+  __shared__ float sm_o[kWarps][kRows][D];
+  __shared__ float sm_m[kWarps][kRows];
+  __shared__ float sm_l[kWarps][kRows];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
+    l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
+    if (c == 0) {
+      sm_m[warp][g + 8 * h] = m[h];
+      sm_l[warp][g + 8 * h] = l[h];
+    }
+  }
+  // Output column 2c + e of pair i in chunk j is dim kChunk * (4j + c) + 2i + e.
+#pragma unroll
+  for (int j = 0; j < kJ; ++j)
+#pragma unroll
+    for (int i = 0; i < kPairs; ++i) {
+      const int dim = kChunk * (4 * j + c) + 2 * i;
+      *reinterpret_cast<float2*>(&sm_o[warp][g][dim]) = make_float2(acc[j][i][0], acc[j][i][1]);
+      *reinterpret_cast<float2*>(&sm_o[warp][g + 8][dim]) = make_float2(acc[j][i][2], acc[j][i][3]);
+    }
+  __syncthreads();
+
+  for (int idx = threadIdx.x; idx < tile.rows * D; idx += kThreads) {
+    const int r = idx / D, dim = idx % D;
+    float mx = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, sm_m[w][r]);
+    float sum = 0.0f, o = 0.0f;
+    if (mx != -INFINITY) {
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) {
+        const float wt = exp2f(sm_m[w][r] - mx);
+        sum += sm_l[w][r] * wt;
+        o += sm_o[w][r][dim] * wt;
+      }
+    }
+    o = sum > 0.0f ? o / sum : 0.0f;
+    if (p.num_parts == 1) {
+      const int qi = (tile.row0 + r) / p.group;
+      const int head = kvh * p.group + (tile.row0 + r) % p.group;
+      T* out = static_cast<T*>(p.out) +
+               (static_cast<std::int64_t>(tile.q_start + qi) * p.num_heads + head) * D + dim;
+      *out = from_float<T>(o);
+    } else {
+      const std::int64_t prow =
+          ((static_cast<std::int64_t>(blockIdx.x) * p.num_kv_heads + kvh) * p.num_parts + part) *
+              kRows + r;
+      p.part_o[prow * D + dim] = o;
+      if (dim == 0) {
+        p.part_ml[prow] = mx;
+        p.part_ml[p.part_rows + prow] = sum;
+      }
+    }
+  }
+}
+
+// One block per (tile, KV head): weights each partition by sum * 2^(max - M).
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads) attention_reduce_kernel(const Params p) {
+  const int kvh = blockIdx.y;
+  const Tile tile = load_tile(p, blockIdx.x);
+  const int parts = (tile.kmax + p.partition_size - 1) / p.partition_size;
+  const std::int64_t prow0 =
+      (static_cast<std::int64_t>(blockIdx.x) * p.num_kv_heads + kvh) * p.num_parts * kRows;
+  for (int idx = threadIdx.x; idx < tile.rows * D; idx += kThreads) {
+    const int r = idx / D, dim = idx % D;
+    float mx = -INFINITY;
+    for (int q = 0; q < parts; ++q) {
+      if (p.part_ml[p.part_rows + prow0 + q * kRows + r] > 0.0f) {
+        mx = fmaxf(mx, p.part_ml[prow0 + q * kRows + r]);
+      }
+    }
+    float sum = 0.0f, o = 0.0f;
+    for (int q = 0; q < parts; ++q) {
+      const std::int64_t prow = prow0 + q * kRows + r;
+      const float lq = p.part_ml[p.part_rows + prow];
+      if (lq > 0.0f) {
+        const float wt = lq * exp2f(p.part_ml[prow] - mx);
+        sum += wt;
+        o += wt * p.part_o[prow * D + dim];
+      }
+    }
+    o = sum > 0.0f ? o / sum : 0.0f;
+    const int qi = (tile.row0 + r) / p.group;
+    const int head = kvh * p.group + (tile.row0 + r) % p.group;
+    static_cast<T*>(p.out)[(static_cast<std::int64_t>(tile.q_start + qi) * p.num_heads + head) * D +
+                           dim] = from_float<T>(o);
+  }
+}
+
+template <typename T, bool kInt8, int D>
+void launch(const Params& p, int num_tiles, cudaStream_t stream) {
+  const dim3 grid(num_tiles, p.num_kv_heads, p.num_parts);
+  paged_attention_kernel<T, kInt8, D><<<grid, kThreads, 0, stream>>>(p);
+  check_launch("paged_attention_kernel");
+  if (p.num_parts > 1) {
+    attention_reduce_kernel<T, D><<<dim3(num_tiles, p.num_kv_heads), kThreads, 0, stream>>>(p);
+    check_launch("attention_reduce_kernel");
+  }
+}
+
+template <typename T>
+void dispatch_head_dim(const Params& p, bool int8, int head_dim, int num_tiles, cudaStream_t s) {
+  if (head_dim == 128) {
+    int8 ? launch<T, true, 128>(p, num_tiles, s) : launch<T, false, 128>(p, num_tiles, s);
+  } else {
+    int8 ? launch<T, true, 64>(p, num_tiles, s) : launch<T, false, 64>(p, num_tiles, s);
+  }
+}
+
+}  // namespace
+
+void paged_attention(const AttentionArgs& a) {
+  require(a.dtype == DType::kF16 || a.dtype == DType::kBF16,
+          "paged_attention: q must be float16 or bfloat16");
+  const bool int8 = a.cache_dtype == DType::kI8;
+  require(int8 || a.cache_dtype == a.dtype, "paged_attention: a 16-bit cache must have q's dtype");
+  require(a.head_dim == 64 || a.head_dim == 128, "paged_attention: head_dim must be 64 or 128");
+  require(a.num_kv_heads > 0 && a.num_heads % a.num_kv_heads == 0,
+          "paged_attention: num_heads must be a multiple of num_kv_heads");
+  require(a.block_size > 0 && (a.block_size & (a.block_size - 1)) == 0,
+          "paged_attention: block_size must be a power of two");
+  require(a.q_stride_tok % 8 == 0 && a.q_stride_head % 8 == 0 && a.q % 16 == 0,
+          "paged_attention: q rows must be 16-byte aligned");
+  require(a.num_parts >= 1 && a.partition_size > 0 && a.partition_size % kAttentionPartitionAlign == 0,
+          "paged_attention: partition_size must be a positive multiple of 64");
+  require(a.num_parts == 1 || (a.part_o != 0 && a.part_ml != 0),
+          "paged_attention: split-K needs partial buffers");
+  require(a.tiles != 0 || a.num_heads / a.num_kv_heads <= kRows,
+          "paged_attention: more than 16 heads per KV head needs a tile list");
+  if (a.num_tiles == 0) return;
+  Params p{};
+  p.out = reinterpret_cast<void*>(a.out);
+  p.q = reinterpret_cast<const void*>(a.q);
+  p.q_stride_tok = a.q_stride_tok;
+  p.q_stride_head = a.q_stride_head;
+  p.k_cache = reinterpret_cast<const void*>(a.k_cache);
+  p.v_cache = reinterpret_cast<const void*>(a.v_cache);
+  p.k_scale = reinterpret_cast<const float*>(a.k_scale);
+  p.v_scale = reinterpret_cast<const float*>(a.v_scale);
+  p.block_tables = reinterpret_cast<const int*>(a.block_tables);
+  p.max_blocks = a.max_blocks;
+  p.cu_q_lens = reinterpret_cast<const int*>(a.cu_q_lens);
+  p.context_lens = reinterpret_cast<const int*>(a.context_lens);
+  p.tiles = reinterpret_cast<const int*>(a.tiles);
+  p.num_heads = a.num_heads;
+  p.num_kv_heads = a.num_kv_heads;
+  p.group = a.num_heads / a.num_kv_heads;
+  int shift = 0;
+  while ((1 << shift) < a.block_size) ++shift;
+  p.block_shift = shift;
+  p.scale_log2 = a.scale * kLog2e;
+  p.partition_size = a.partition_size;
+  p.num_parts = a.num_parts;
+  p.part_o = reinterpret_cast<float*>(a.part_o);
+  p.part_ml = reinterpret_cast<float*>(a.part_ml);
+  p.part_rows = static_cast<std::int64_t>(a.num_tiles) * a.num_kv_heads * a.num_parts * kRows;
+  require(a.num_kv_heads <= 65535 && a.num_parts <= 65535, "paged_attention: grid too large");
+  cudaStream_t s = as_stream(a.stream);
+  if (a.dtype == DType::kF16) {
+    dispatch_head_dim<__half>(p, int8, a.head_dim, a.num_tiles, s);
+  } else {
+    dispatch_head_dim<__nv_bfloat16>(p, int8, a.head_dim, a.num_tiles, s);
+  }
+}
+
+}  // namespace cuda
+}  // namespace turbomq

@@ -1,0 +1,89 @@
+// pybind11 bindings of the CUDA kernels (turbomq._native.cuda). Compiled only
+// when the build has CUDA. Arguments are device addresses, sizes and the
+// caller's stream as integers: the extension never links against torch.
+#include <pybind11/pybind11.h>
+
+#include "kernels.h"
+
+namespace py = pybind11;
+
+namespace turbomq {
+
+void bind_cuda(py::module_& parent) {
+  using cuda::DType;
+  py::module_ m = parent.def_submodule("cuda", "CUDA kernels (raw device pointers)");
+  py::enum_<DType>(m, "DType")
+      .value("F32", DType::kF32)
+      .value("F16", DType::kF16)
+      .value("BF16", DType::kBF16)
+      .value("I8", DType::kI8);
+  m.attr("ATTENTION_TILE_ROWS") = cuda::kAttentionTileRows;
+  m.attr("ATTENTION_PARTITION_ALIGN") = cuda::kAttentionPartitionAlign;
+
+  m.def("rms_norm", &cuda::rms_norm, py::arg("out"), py::arg("x"), py::arg("x_stride"),
+        py::arg("weight"), py::arg("rows"), py::arg("hidden"), py::arg("eps"), py::arg("dtype"),
+        py::arg("stream"));
+  m.def("add_rms_norm", &cuda::add_rms_norm, py::arg("out"), py::arg("sum"), py::arg("x"),
+        py::arg("residual"), py::arg("weight"), py::arg("rows"), py::arg("hidden"),
+        py::arg("eps"), py::arg("dtype"), py::arg("stream"));
+  m.def("rotary", &cuda::rotary, py::arg("q_out"), py::arg("k_out"), py::arg("q"),
+        py::arg("q_stride_tok"), py::arg("q_stride_head"), py::arg("k"), py::arg("k_stride_tok"),
+        py::arg("k_stride_head"), py::arg("positions"), py::arg("cos_sin"), py::arg("tokens"),
+        py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("dtype"),
+        py::arg("stream"));
+  m.def("silu_mul", &cuda::silu_mul, py::arg("out"), py::arg("gate_up"), py::arg("in_stride"),
+        py::arg("tokens"), py::arg("inter"), py::arg("dtype"), py::arg("stream"));
+  m.def("write_kv", &cuda::write_kv, py::arg("k_cache"), py::arg("v_cache"), py::arg("k_scale"),
+        py::arg("v_scale"), py::arg("k"), py::arg("k_stride_tok"), py::arg("k_stride_head"),
+        py::arg("v"), py::arg("v_stride_tok"), py::arg("v_stride_head"), py::arg("slot_mapping"),
+        py::arg("tokens"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("block_size"),
+        py::arg("dtype"), py::arg("cache_dtype"), py::arg("stream"));
+
+  m.def(
+      "paged_attention",
+      [](std::uintptr_t out, std::uintptr_t q, std::int64_t q_stride_tok,
+         std::int64_t q_stride_head, std::uintptr_t k_cache, std::uintptr_t v_cache,
+         std::uintptr_t k_scale, std::uintptr_t v_scale, std::uintptr_t block_tables,
+         int max_blocks, std::uintptr_t cu_q_lens, std::uintptr_t context_lens,
+         std::uintptr_t tiles, int num_tiles, int num_heads, int num_kv_heads, int head_dim,
+         int block_size, float scale, int partition_size, int num_parts, std::uintptr_t part_o,
+         std::uintptr_t part_ml, DType dtype, DType cache_dtype, std::uintptr_t stream) {
+        cuda::AttentionArgs a;
+        a.out = out;
+        a.q = q;
+        a.q_stride_tok = q_stride_tok;
+        a.q_stride_head = q_stride_head;
+        a.k_cache = k_cache;
+        a.v_cache = v_cache;
+        a.k_scale = k_scale;
+        a.v_scale = v_scale;
+        a.block_tables = block_tables;
+        a.max_blocks = max_blocks;
+        a.cu_q_lens = cu_q_lens;
+        a.context_lens = context_lens;
+        a.tiles = tiles;
+        a.num_tiles = num_tiles;
+        a.num_heads = num_heads;
+        a.num_kv_heads = num_kv_heads;
+        a.head_dim = head_dim;
+        a.block_size = block_size;
+        a.scale = scale;
+        a.partition_size = partition_size;
+        a.num_parts = num_parts;
+        a.part_o = part_o;
+        a.part_ml = part_ml;
+        a.dtype = dtype;
+        a.cache_dtype = cache_dtype;
+        a.stream = stream;
+        cuda::paged_attention(a);
+      },
+      py::arg("out"), py::arg("q"), py::arg("q_stride_tok"), py::arg("q_stride_head"),
+      py::arg("k_cache"), py::arg("v_cache"), py::arg("k_scale"), py::arg("v_scale"),
+      py::arg("block_tables"), py::arg("max_blocks"), py::arg("cu_q_lens"),
+      py::arg("context_lens"), py::arg("tiles"), py::arg("num_tiles"), py::arg("num_heads"),
+      py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("block_size"), py::arg("scale"),
+      py::arg("partition_size"), py::arg("num_parts"), py::arg("part_o"), py::arg("part_ml"),
+      py::arg("dtype"), py::arg("cache_dtype"), py::arg("stream"));
+}
+
+}  // namespace turbomq

@@ -1,0 +1,83 @@
+// Host-side entry points of the CUDA kernels. Plain C++ (no CUDA headers), so
+// the pybind11 layer compiles with the host compiler. Tensors cross as raw
+// device addresses plus shapes; `stream` is the caller's cudaStream_t as an
+// integer. Every function checks its launch and throws std::runtime_error on
+// a CUDA error or an unsupported shape.
+#pragma once
+
+#include <cstdint>
+
+namespace turbomq {
+namespace cuda {
+
+// Element types, numbered as the Python wrapper passes them.
+enum class DType : int { kF32 = 0, kF16 = 1, kBF16 = 2, kI8 = 3 };
+
+// out[r] = weight * to_dtype(x[r] * rsqrt(mean(x[r]^2) + eps)); rows of `hidden`
+// elements, x rows `x_stride` elements apart, out contiguous.
+void rms_norm(std::uintptr_t out, std::uintptr_t x, std::int64_t x_stride, std::uintptr_t weight,
+              std::int64_t rows, std::int64_t hidden, float eps, DType dtype, std::uintptr_t stream);
+
+// sum = x + residual; out = rms_norm(sum). x, residual, out, sum contiguous.
+void add_rms_norm(std::uintptr_t out, std::uintptr_t sum, std::uintptr_t x, std::uintptr_t residual,
+                  std::uintptr_t weight, std::int64_t rows, std::int64_t hidden, float eps,
+                  DType dtype, std::uintptr_t stream);
+
+// Half-rotation rotary embedding of q [T, nh, d] and k [T, nkv, d] (token and
+// head strides in elements, dims contiguous) into contiguous q_out, k_out.
+// cos_sin: float32 [max_pos, d] = cat(cos, sin) of d/2 frequencies.
+void rotary(std::uintptr_t q_out, std::uintptr_t k_out, std::uintptr_t q, std::int64_t q_stride_tok,
+            std::int64_t q_stride_head, std::uintptr_t k, std::int64_t k_stride_tok,
+            std::int64_t k_stride_head, std::uintptr_t positions, std::uintptr_t cos_sin,
+            std::int64_t tokens, int num_heads, int num_kv_heads, int head_dim, DType dtype,
+            std::uintptr_t stream);
+
+// out [T, I] = silu(gate_up[:, :I]) * gate_up[:, I:]; gate_up rows `in_stride` apart.
+void silu_mul(std::uintptr_t out, std::uintptr_t gate_up, std::int64_t in_stride,
+              std::int64_t tokens, std::int64_t inter, DType dtype, std::uintptr_t stream);
+
+// Scatter k, v [T, nkv, d] (token/head strides in elements) into the paged
+// cache [num_blocks, nkv, block_size, d] at slot_mapping (int64 [T]); with
+// cache_dtype kI8, quantize symmetric per (token, head) and store float32
+// scales [num_blocks, nkv, block_size]. Negative slots are skipped.
+void write_kv(std::uintptr_t k_cache, std::uintptr_t v_cache, std::uintptr_t k_scale,
+              std::uintptr_t v_scale, std::uintptr_t k, std::int64_t k_stride_tok,
+              std::int64_t k_stride_head, std::uintptr_t v, std::int64_t v_stride_tok,
+              std::int64_t v_stride_head, std::uintptr_t slot_mapping, std::int64_t tokens,
+              int num_kv_heads, int head_dim, int block_size, DType dtype, DType cache_dtype,
+              std::uintptr_t stream);
+
+// Paged attention over block tables, decode and prefill-with-history alike.
+// A "tile" is up to 16 rows (query token, query head) of one sequence sharing
+// one KV head. tiles: int32 [num_tiles, 2] = (sequence, row tile), or 0 when
+// every sequence has one query and heads-per-KV-head <= 16 (tile = sequence).
+// With num_parts > 1 the context is split into partitions of partition_size
+// keys; partials go to part_o [num_tiles, nkv, num_parts, 16, d] and
+// part_ml [2, num_tiles, nkv, num_parts, 16] (float32), then a reduce kernel
+// writes out.
+struct AttentionArgs {
+  std::uintptr_t out = 0;  // [T, nh, d] contiguous, q's dtype
+  std::uintptr_t q = 0;
+  std::int64_t q_stride_tok = 0, q_stride_head = 0;
+  std::uintptr_t k_cache = 0, v_cache = 0, k_scale = 0, v_scale = 0;
+  std::uintptr_t block_tables = 0;  // int32 [S, max_blocks]
+  int max_blocks = 0;
+  std::uintptr_t cu_q_lens = 0;     // int32 [S + 1]
+  std::uintptr_t context_lens = 0;  // int32 [S]
+  std::uintptr_t tiles = 0;
+  int num_tiles = 0;
+  int num_heads = 0, num_kv_heads = 0, head_dim = 0, block_size = 0;
+  float scale = 1.0f;
+  int partition_size = 0, num_parts = 1;
+  std::uintptr_t part_o = 0, part_ml = 0;
+  DType dtype = DType::kBF16, cache_dtype = DType::kBF16;
+  std::uintptr_t stream = 0;
+};
+void paged_attention(const AttentionArgs& args);
+
+// Rows of one tile and warps of one attention block (for the caller's sizing).
+constexpr int kAttentionTileRows = 16;
+constexpr int kAttentionPartitionAlign = 64;
+
+}  // namespace cuda
+}  // namespace turbomq

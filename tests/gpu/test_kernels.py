@@ -1,0 +1,269 @@
+"""Every CUDA kernel against the PyTorch reference (worker/ops/reference.py) on
+fresh random inputs: relative error ||out - ref|| / ||ref|| within the storage
+dtype's tolerance, outputs poisoned first so unwritten elements show.
+
+Skipped, with the reason, where there is no CUDA device or turbomq._native was
+built without CUDA (TURBOMQ_CUDA=ON)."""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from turbomq.worker.kv_cache import LayerKV
+from turbomq.worker.ops import cuda as cuda_ops
+from turbomq.worker.ops import reference as ref
+from turbomq.worker.ops.attention_batch import AttentionBatch
+
+_REASON = cuda_ops.unavailable_reason()
+if _REASON is not None:
+    pytest.skip(f"CUDA kernel tests skipped: {_REASON}", allow_module_level=True)
+
+DEV = torch.device("cuda")
+# ||out - ref|| / ||ref||: one rounding to the storage dtype plus fp32 noise.
+TOL = {torch.bfloat16: 1e-2, torch.float16: 3e-3}
+DTYPES = [torch.bfloat16, torch.float16]
+
+
+@pytest.fixture
+def gen():
+    """A fresh seed per test, printed so a failure can be replayed."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"seed={seed}")
+    g = torch.Generator(device=DEV)
+    g.manual_seed(seed)
+    random.seed(seed)
+    return g
+
+
+def rel_err(out: torch.Tensor, expect: torch.Tensor) -> float:
+    out, expect = out.double(), expect.double()
+    assert torch.isfinite(out).all(), "non-finite output (unwritten or bad element)"
+    return ((out - expect).norm() / expect.norm().clamp_min(1e-30)).item()
+
+
+def randn(shape, dtype, gen, scale=1.0):
+    return (torch.randn(shape, generator=gen, device=DEV, dtype=torch.float32) * scale).to(dtype)
+
+
+def poisoned(shape, dtype):
+    return torch.full(shape, float("nan"), dtype=dtype, device=DEV)
+
+
+# ------------------------------------------------------------------ norms
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,hidden", [(1, 64), (7, 4096), (33, 4104), (5, 8192)])
+def test_rms_norm(dtype, rows, hidden, gen):
+    x = randn((rows, hidden), dtype, gen, 3.0)
+    w = randn((hidden,), dtype, gen)
+    out = poisoned((rows, hidden), dtype)
+    got = cuda_ops.rms_norm(x, w, 1e-5, out=out)
+    assert got is out
+    assert rel_err(got, ref.rms_norm(x, w, 1e-5)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,hidden", [(1, 64), (9, 4096), (3, 5128)])
+def test_add_rms_norm(dtype, rows, hidden, gen):
+    x = randn((rows, hidden), dtype, gen)
+    r = randn((rows, hidden), dtype, gen, 2.0)
+    w = randn((hidden,), dtype, gen)
+    out, sum_out = poisoned((rows, hidden), dtype), poisoned((rows, hidden), dtype)
+    normed, s = cuda_ops.add_rms_norm(x, r, w, 1e-6, out=out, sum_out=sum_out)
+    expect_normed, expect_s = ref.add_rms_norm(x, r, w, 1e-6)
+    assert torch.equal(s, expect_s)  # one rounding of x + r in the dtype
+    assert rel_err(normed, expect_normed) < TOL[dtype]
+
+
+def test_norm_falls_back_on_odd_sizes(gen):
+    x = randn((3, 100), torch.bfloat16, gen)
+    w = randn((100,), torch.bfloat16, gen)
+    assert rel_err(cuda_ops.rms_norm(x, w, 1e-5), ref.rms_norm(x, w, 1e-5)) < 1e-6
+
+
+# ----------------------------------------------------------------- rotary
+def cos_sin_table(max_pos: int, d: int) -> torch.Tensor:
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv_freq)
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(DEV)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,nh,nkv,d", [(1, 4, 4, 64), (37, 32, 8, 128), (5, 8, 1, 64)])
+def test_rotary(dtype, tokens, nh, nkv, d, gen):
+    # q and k as the model makes them: strided views of one fused qkv row.
+    qkv = randn((tokens, (nh + 2 * nkv) * d), dtype, gen)
+    q, k, _ = qkv.split([nh * d, nkv * d, nkv * d], dim=-1)
+    q, k = q.reshape(tokens, nh, d), k.reshape(tokens, nkv, d)
+    table = cos_sin_table(4096, d)
+    positions = torch.randint(0, 4096, (tokens,), generator=gen, device=DEV)
+    q_out, k_out = poisoned((tokens, nh, d), dtype), poisoned((tokens, nkv, d), dtype)
+    got_q, got_k = cuda_ops.rotary(q, k, positions, table, q_out=q_out, k_out=k_out)
+    expect_q, expect_k = ref.rotary(q, k, positions, table)
+    assert rel_err(got_q, expect_q) < TOL[dtype]
+    assert rel_err(got_k, expect_k) < TOL[dtype]
+
+
+# --------------------------------------------------------------- silu_mul
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,inter", [(1, 64), (17, 14336), (4, 1032)])
+def test_silu_mul(dtype, tokens, inter, gen):
+    gate_up = randn((tokens, 2 * inter), dtype, gen, 2.0)
+    out = poisoned((tokens, inter), dtype)
+    got = cuda_ops.silu_mul(gate_up, out=out)
+    assert rel_err(got, ref.silu_mul(gate_up)) < TOL[dtype]
+
+
+# --------------------------------------------------------------- write_kv
+def make_pool(num_blocks, nkv, bs, d, kv_dtype, gen):
+    """A pool full of finite junk, so unwritten slots differ from written ones."""
+    shape = (num_blocks, nkv, bs, d)
+    if kv_dtype == torch.int8:
+        k = torch.randint(-127, 128, shape, generator=gen, device=DEV, dtype=torch.int8)
+        v = torch.randint(-127, 128, shape, generator=gen, device=DEV, dtype=torch.int8)
+        ks = torch.rand(shape[:-1], generator=gen, device=DEV) * 0.02 + 0.002
+        vs = torch.rand(shape[:-1], generator=gen, device=DEV) * 0.02 + 0.002
+        return LayerKV(k, v, ks, vs)
+    return LayerKV(randn(shape, kv_dtype, gen), randn(shape, kv_dtype, gen), None, None)
+
+
+def clone_kv(kv: LayerKV) -> LayerKV:
+    return LayerKV(kv.k.clone(), kv.v.clone(),
+                   None if kv.k_scale is None else kv.k_scale.clone(),
+                   None if kv.v_scale is None else kv.v_scale.clone())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("quantized", [False, True])
+@pytest.mark.parametrize("nkv,d,bs", [(8, 128, 64), (2, 64, 16), (1, 128, 32)])
+def test_write_kv(dtype, quantized, nkv, d, bs, gen):
+    tokens, num_blocks = 45, 9
+    kv = make_pool(num_blocks, nkv, bs, d, torch.int8 if quantized else dtype, gen)
+    expect = clone_kv(kv)
+    kv_in = randn((tokens, 2 * nkv * d), dtype, gen, 3.0)
+    k, v = kv_in.split([nkv * d, nkv * d], dim=-1)
+    k = k.contiguous().reshape(tokens, nkv, d)
+    v = v.reshape(tokens, nkv, d)  # a strided view, as in the model
+    slots = torch.randperm(num_blocks * bs, generator=gen, device=DEV)[:tokens]
+    cuda_ops.write_kv(kv, k, v, slots)
+    ref.write_kv(expect, k, v, slots)
+    torch.cuda.synchronize()
+    if not quantized:
+        assert torch.equal(kv.k, expect.k) and torch.equal(kv.v, expect.v)
+        return
+    for got, want in ((kv.k, expect.k), (kv.v, expect.v)):
+        diff = (got.int() - want.int()).abs()
+        # Same math as the reference; a rounding tie may land one step apart.
+        assert diff.max().item() <= 1 and (diff > 0).float().mean().item() < 1e-3
+    torch.testing.assert_close(kv.k_scale, expect.k_scale, rtol=1e-6, atol=0)
+    torch.testing.assert_close(kv.v_scale, expect.v_scale, rtol=1e-6, atol=0)
+
+
+# -------------------------------------------------------- paged attention
+def make_attention_case(q_lens, ctx_lens, nkv, group, d, bs, dtype, kv_dtype, gen, spare=3):
+    """Random q and pool; each sequence's blocks drawn at random from the pool
+    (non-contiguous), tables padded with -1 past their end."""
+    nblocks = [math.ceil(c / bs) for c in ctx_lens]
+    num_blocks = sum(nblocks) + spare
+    order = torch.randperm(num_blocks, generator=gen, device=DEV).tolist()
+    width = max(nblocks) + 2
+    tables = np.full((len(ctx_lens), width), -1, dtype=np.int64)
+    used = 0
+    for s, n in enumerate(nblocks):
+        tables[s, :n] = order[used:used + n]
+        used += n
+    kv = make_pool(num_blocks, nkv, bs, d, kv_dtype, gen)
+    batch = AttentionBatch.build(q_lens, ctx_lens, tables, bs, device=DEV)
+    q = randn((sum(q_lens), nkv * group, d), dtype, gen)
+    return q, kv, batch
+
+
+def check_attention(q, kv, batch, dtype, partition_size=None):
+    d = q.shape[-1]
+    scale = d ** -0.5
+    out = poisoned(q.shape, dtype)
+    got = cuda_ops.paged_attention(q, kv, batch, scale, out=out, partition_size=partition_size)
+    assert got is out
+    expect = ref.paged_attention(q, kv, batch, scale)
+    err = rel_err(got, expect)
+    assert err < TOL[dtype], f"relative error {err:.2e}"
+
+
+KV_KINDS = ["same", "int8"]
+
+
+@pytest.mark.parametrize("partition_size", [None, 64])
+@pytest.mark.parametrize("kv_kind", KV_KINDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_decode_attention(group, d, dtype, kv_kind, partition_size, gen):
+    bs = random.choice([16, 32, 64])
+    ctx = [1, 17, bs + 1, random.randint(100, 900), random.randint(1500, 3000)]
+    random.shuffle(ctx)
+    q, kv, batch = make_attention_case([1] * len(ctx), ctx, 2, group, d, bs, dtype,
+                                       dtype if kv_kind == "same" else torch.int8, gen)
+    check_attention(q, kv, batch, dtype, partition_size)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kv_kind", KV_KINDS)
+def test_decode_attention_long_split(dtype, kv_kind, gen):
+    """Few sequences, long contexts: the planner splits the context."""
+    ctx = [8191, 5000]
+    q, kv, batch = make_attention_case([1, 1], ctx, 8, 4, 128, 64, dtype,
+                                       dtype if kv_kind == "same" else torch.int8, gen)
+    check_attention(q, kv, batch, dtype)
+
+
+@pytest.mark.parametrize("kv_kind", KV_KINDS)
+@pytest.mark.parametrize("nkv,group", [(1, 32), (2, 16), (1, 12)])
+def test_attention_many_heads_per_kv_head(nkv, group, kv_kind, gen):
+    """More than 16 query heads per KV head spans several row tiles."""
+    dtype = torch.bfloat16
+    q, kv, batch = make_attention_case([1, 1, 3], [300, 77, 129], nkv, group, 128, 16, dtype,
+                                       dtype if kv_kind == "same" else torch.int8, gen)
+    check_attention(q, kv, batch, dtype)
+
+
+@pytest.mark.parametrize("partition_size", [None, 64])
+@pytest.mark.parametrize("kv_kind", KV_KINDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_prefill_with_history(group, d, dtype, kv_kind, partition_size, gen):
+    """Mixed batch: decode rows, prefill without history, prefill after history."""
+    bs = random.choice([16, 64])
+    q_lens = [1, 7, 33, 64, 5]
+    hist = [200, 0, 50, 333, 0]
+    ctx = [n + h for n, h in zip(q_lens, hist)]
+    q, kv, batch = make_attention_case(q_lens, ctx, 2, group, d, bs, dtype,
+                                       dtype if kv_kind == "same" else torch.int8, gen)
+    check_attention(q, kv, batch, dtype, partition_size)
+
+
+def test_attention_after_write_kv(gen):
+    """write_kv then attention through the same pool, int8, as a model step does."""
+    dtype, nkv, group, d, bs = torch.bfloat16, 4, 4, 128, 16
+    q_lens, ctx = [1, 9], [40, 9]
+    q, kv, batch = make_attention_case(q_lens, ctx, nkv, group, d, bs, dtype, torch.int8, gen)
+    k = randn((sum(q_lens), nkv, d), dtype, gen)
+    v = randn((sum(q_lens), nkv, d), dtype, gen)
+    expect_kv = clone_kv(kv)
+    cuda_ops.write_kv(kv, k, v, batch.slot_mapping)
+    ref.write_kv(expect_kv, k, v, batch.slot_mapping)
+    got = cuda_ops.paged_attention(q, kv, batch, d ** -0.5)
+    expect = ref.paged_attention(q, expect_kv, batch, d ** -0.5)
+    assert rel_err(got, expect) < TOL[dtype]
+
+
+def test_fp32_falls_back_to_reference(gen):
+    q, kv, batch = make_attention_case([1, 3], [20, 30], 2, 2, 64, 16, torch.float32,
+                                       torch.float32, gen)
+    got = cuda_ops.paged_attention(q, kv, batch, 0.125)
+    assert rel_err(got, ref.paged_attention(q, kv, batch, 0.125)) < 1e-6

@@ -21,17 +21,18 @@ import numpy as np
 import torch
 
 from . import errors
+from .cuda_graphs import DecodeGraphs, graphs_supported
 from .kv_cache import PagedKVCache, resolve_kv_dtype
 from .model import LlamaModel, parse_dtype
 from .ops import AttentionBatch
 from .output import TextStream
 from .sampling import SamplingParams, SeedRNG, sample
-from .scheduler import AllocPolicy, Scheduler, SchedulerConfig, Sequence, SeqStatus
+from .scheduler import AllocPolicy, Scheduler, SchedulerConfig, Sequence, SeqStatus, StepPlan
 from .session_store import (InMemorySessionStore, SessionModelMismatch, SessionStore,
                             SessionStoreError)
 from .tokenizer import Tokenizer
 from .weights import load_checkpoint
-from .._native import KVCacheManager
+from .._native import KVCacheManager, SeqState
 
 log = logging.getLogger("turbomq.engine")
 
@@ -52,6 +53,7 @@ class EngineConfig:
     max_model_len: Optional[int] = None  # None: the model's max_position_embeddings
     alloc_policy: str = "on_demand"  # upfront | on_demand | reserved
     reserved_tokens: int = 64
+    cuda_graphs: bool = True  # decode steps replay captured graphs (CUDA, fp16/bf16)
 
 
 @dataclass(frozen=True)
@@ -105,13 +107,18 @@ class _Request:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, session_store: Optional[SessionStore] = None):
+    def __init__(self, config: EngineConfig, session_store: Optional[SessionStore] = None,
+                 model: Optional[LlamaModel] = None):
+        """`model` injects an already built model (benchmarks with random
+        weights); otherwise it is loaded from `config.model`."""
         self.config = config
         self.device = torch.device(config.device)
-        checkpoint = load_checkpoint(config.model)
-        dtype = parse_dtype(config.dtype) if config.dtype else None
-        self.model = LlamaModel(checkpoint.config, checkpoint.tensors, self.device, dtype)
-        del checkpoint
+        if model is None:
+            checkpoint = load_checkpoint(config.model)
+            dtype = parse_dtype(config.dtype) if config.dtype else None
+            model = LlamaModel(checkpoint.config, checkpoint.tensors, self.device, dtype)
+            del checkpoint
+        self.model = model
         self.model_config = self.model.config
         # A model without tokenizer.json still serves token IDs (no text).
         self.tokenizer = (Tokenizer.from_dir(config.model)
@@ -124,9 +131,18 @@ class Engine:
         kv_dtype = resolve_kv_dtype(config.kv_dtype, self.model.dtype)
         num_blocks = self._num_kv_blocks(kv_dtype)
         mc = self.model_config
-        self.kv_cache = PagedKVCache(mc.num_layers, num_blocks, config.block_size,
+        # one extra block, owned by no sequence, absorbs the padding rows of
+        # CUDA-graph decode steps
+        self.kv_cache = PagedKVCache(mc.num_layers, num_blocks + 1, config.block_size,
                                      mc.num_kv_heads, mc.head_dim, kv_dtype, self.device)
         self.kv_manager = KVCacheManager(num_blocks, config.block_size)
+        log.info("KV pool: %d blocks of %d tokens = %d tokens (%s, %.2f GiB)", num_blocks,
+                 config.block_size, num_blocks * config.block_size, kv_dtype,
+                 self.kv_cache.nbytes / 2**30)
+        self.decode_graphs = (
+            DecodeGraphs(self.model, self.kv_cache, config.max_batch_size, self.max_model_len,
+                         scratch_block=num_blocks)
+            if config.cuda_graphs and graphs_supported(self.model, self.kv_cache) else None)
         self.scheduler = Scheduler(SchedulerConfig(
             max_batch_size=config.max_batch_size,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -145,6 +161,10 @@ class Engine:
         self._wakeup = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._stopping = False
+        # Called on the step thread after every step that did something, with
+        # (plan or None, seconds): the one safe place to read engine state for
+        # metrics and heartbeats. plan is None when only the inbox was drained.
+        self.step_observer: Optional[Callable[[Optional[StepPlan], float], None]] = None
         self.counters = {"requests_finished": 0, "prompt_tokens": 0, "generated_tokens": 0,
                          "reused_tokens": 0, "reprefilled_tokens": 0, "steps": 0}
 
@@ -338,6 +358,7 @@ class Engine:
             "slots_active": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
             "kv_blocks_total": self.kv_manager.num_blocks,
+            "kv_tokens_capacity": self.max_tokens_in_pool,
             "kv_blocks_used": self.kv_manager.num_used_blocks,
             "sessions_active": kv["active_sequences"], "sessions_cached": kv["cached_sequences"],
             "sessions_evicted": kv["evicted_sequences"],
@@ -378,12 +399,15 @@ class Engine:
 
     def step(self) -> bool:
         """Run one step; False when there was nothing to do."""
-        self._drain_inbox()
+        drained = self._drain_inbox()
         if not self.scheduler.has_work():
+            if drained:
+                self._observe(None, 0.0)
             return False
         plan = self.scheduler.schedule()
         if plan.empty:
             return True
+        start = time.perf_counter()
         try:
             self._run(plan)
         except Exception as exc:  # a failed forward fails its requests, not the engine
@@ -394,7 +418,22 @@ class Engine:
                     self._finish(req, "error", keep_kv=False,
                                  error=errors.EngineError(f"step failed: {exc}"))
         self.counters["steps"] += 1
+        self._observe(plan, time.perf_counter() - start)
         return True
+
+    def _observe(self, plan: Optional[StepPlan], seconds: float) -> None:
+        if self.step_observer is not None:
+            try:
+                self.step_observer(plan, seconds)
+            except Exception:  # a metrics bug must not stop the batch
+                log.exception("step observer failed")
+
+    def resident_sessions(self) -> set[str]:
+        """Sessions whose KV is resident (active or cached). Step thread only
+        (e.g. from step_observer): it reads the KV manager."""
+        kv = self.kv_manager
+        return {sid for sid, key in self._session_keys.items()
+                if kv.contains(key) and kv.state(key) != SeqState.EVICTED}
 
     def _run(self, plan) -> None:
         bs = self.config.block_size
@@ -408,20 +447,24 @@ class Engine:
             keys.append(seq.kv_key)
         width = (max(ctx_lens) + bs - 1) // bs
         tables = self.kv_manager.block_tables(keys, width)
-        batch = AttentionBatch.build(q_lens, ctx_lens, tables, bs, self.device)
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         rows = [i for i, item in enumerate(plan.scheduled) if item.samples]
         sampled: dict[int, int] = {}
-        if rows:
+        graphs = self.decode_graphs
+        if (graphs is not None and len(ids) == len(rows) == len(keys)
+                and graphs.fits(len(ids), max(ctx_lens))):
+            logits = graphs.run(ids, ctx_lens, tables)  # decode-only step
+        else:
+            batch = AttentionBatch.build(q_lens, ctx_lens, tables, bs, self.device)
+            input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
             last = batch.cu_q_lens[1:].long() - 1
-            logits = self.model.forward(input_ids, batch, self.kv_cache, last[rows])
+            logits = self.model.forward(input_ids, batch, self.kv_cache,
+                                        last[rows] if rows else last[:1])
+        if rows:
             seqs = [plan.scheduled[i].seq for i in rows]
             reqs = [self._live[s.request_id] for s in seqs]
             tokens = sample(logits, [s.params for s in seqs], [r.rng for r in reqs],
                             [s.tokens for s in seqs]).tolist()
             sampled = {id(s): t for s, t in zip(seqs, tokens)}
-        else:
-            self.model.forward(input_ids, batch, self.kv_cache, batch.cu_q_lens[1:2].long() - 1)
         self.scheduler.commit(plan, sampled)
         for item in plan.scheduled:
             if id(item.seq) in sampled:
@@ -487,12 +530,15 @@ class Engine:
             self.kv_manager.erase(key)
 
     # ----------------------------------------------------------- inbox
-    def _drain_inbox(self) -> None:
+    def _drain_inbox(self) -> bool:
+        """Handle queued submissions and commands; True if there were any."""
+        drained = False
         while True:
             try:
                 kind, payload = self._inbox.get_nowait()
             except queue.Empty:
-                return
+                return drained
+            drained = True
             if kind == "submit":
                 self._admit_request(payload)
             elif kind == "cancel":

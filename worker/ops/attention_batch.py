@@ -6,7 +6,7 @@ every attention op (reference or CUDA) reads the same fields."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -27,6 +27,8 @@ class AttentionBatch:
     context_lens_host: list[int]
     max_q_len: int
     max_context_len: int
+    # per-step derived data a backend computes once and every layer reuses
+    backend_cache: dict = field(default_factory=dict)
 
     @property
     def num_seqs(self) -> int:

@@ -218,7 +218,7 @@ def _sm_count(device: torch.device) -> int:
 def _tiles(batch: AttentionBatch, group: int, device: torch.device):
     """(tile tensor or None, number of tiles); cached on the batch, which every
     layer of a step shares."""
-    cache = batch.__dict__.setdefault("_cuda_tiles", {})
+    cache = batch.backend_cache.setdefault("cuda_tiles", {})
     if group in cache:
         return cache[group]
     rows = _k.ATTENTION_TILE_ROWS

@@ -1,0 +1,128 @@
+"""CUDA graphs for decode steps.
+
+A decode step launches a few hundred small kernels; replaying them as one
+captured graph removes the per-launch host cost that otherwise dominates at
+small batch sizes. Graphs are captured lazily per (batch bucket, context
+bucket): the batch is padded up to its bucket with rows that write and read a
+scratch KV block no sequence owns, and the context bucket fixes the split-K
+plan of the attention kernel (shorter contexts exit early inside it)."""
+
+from __future__ import annotations
+
+import bisect
+
+import numpy as np
+import torch
+
+from .kv_cache import PagedKVCache
+from .model import LlamaModel
+from .ops import AttentionBatch
+
+MIN_CONTEXT_BUCKET = 512
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    sizes = [1, 2, 4, 8] + list(range(16, max_batch + 1, 16))
+    return sorted({b for b in sizes if b < max_batch} | {max_batch})
+
+
+def graphs_supported(model: LlamaModel, kv_cache: PagedKVCache) -> bool:
+    """Graphs need every op of a decode step on the native kernels (the
+    reference backend reads host-side lengths that a graph would freeze)."""
+    from .ops import cuda
+
+    block = kv_cache.block_size
+    return (model.device.type == "cuda" and cuda.available()
+            and model.dtype in (torch.float16, torch.bfloat16)
+            and kv_cache.dtype in (model.dtype, torch.int8)
+            and model.config.head_dim in (64, 128) and block & (block - 1) == 0)
+
+
+class DecodeGraphs:
+    def __init__(self, model: LlamaModel, kv_cache: PagedKVCache, max_batch: int,
+                 max_model_len: int, scratch_block: int):
+        self.model = model
+        self.kv_cache = kv_cache
+        self.block_size = kv_cache.block_size
+        self.buckets = batch_buckets(max_batch)
+        self.max_model_len = max_model_len
+        self.width = -(-max_model_len // self.block_size)  # block-table columns
+        self.scratch_slot = scratch_block * self.block_size
+        dev = model.device
+        n = self.buckets[-1]
+        self.input_ids = torch.zeros(n, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(n, dtype=torch.long, device=dev)
+        self.slot_mapping = torch.full((n,), self.scratch_slot, dtype=torch.long, device=dev)
+        self.context_lens = torch.ones(n, dtype=torch.int32, device=dev)
+        self.block_tables = torch.full((n, self.width), -1, dtype=torch.int32, device=dev)
+        self.block_tables[:, 0] = scratch_block
+        self.q_lens = torch.ones(n, dtype=torch.int32, device=dev)
+        self.cu_q_lens = torch.arange(n + 1, dtype=torch.int32, device=dev)
+        self._scratch_table_row = np.full(self.width, -1, dtype=np.int32)
+        self._scratch_table_row[0] = scratch_block
+        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._pool = torch.cuda.graph_pool_handle()
+
+    def context_bucket(self, max_context: int) -> int:
+        bucket = MIN_CONTEXT_BUCKET
+        while bucket < max_context:
+            bucket *= 2
+        return min(bucket, self.max_model_len)
+
+    def fits(self, batch_size: int, max_context: int) -> bool:
+        return batch_size <= self.buckets[-1] and max_context <= self.max_model_len
+
+    def run(self, input_ids: list[int], context_lens: list[int],
+            block_tables: np.ndarray) -> torch.Tensor:
+        """One decode step: token i is at position context_lens[i] - 1 of its
+        sequence. block_tables: [b, >= needed columns]. Returns logits [b, V]."""
+        b = len(input_ids)
+        bucket = self.buckets[bisect.bisect_left(self.buckets, b)]
+        ctx = np.asarray(context_lens, dtype=np.int64)
+        pos = ctx - 1
+        tables = np.empty((bucket, self.width), dtype=np.int32)
+        cols = min(block_tables.shape[1], self.width)
+        tables[:b, :cols] = block_tables[:, :cols]
+        tables[:b, cols:] = -1
+        tables[b:] = self._scratch_table_row
+        slots = tables[np.arange(b), pos // self.block_size].astype(np.int64) * self.block_size \
+            + pos % self.block_size
+        pad = bucket - b
+        self.input_ids[:bucket].copy_(torch.tensor(input_ids + [0] * pad), non_blocking=True)
+        self.positions[:bucket].copy_(torch.from_numpy(np.concatenate([pos, np.zeros(pad, np.int64)])),
+                                      non_blocking=True)
+        self.slot_mapping[:bucket].copy_(torch.from_numpy(
+            np.concatenate([slots, np.full(pad, self.scratch_slot, np.int64)])), non_blocking=True)
+        self.context_lens[:bucket].copy_(torch.from_numpy(
+            np.concatenate([ctx, np.ones(pad, np.int64)]).astype(np.int32)), non_blocking=True)
+        self.block_tables[:bucket].copy_(torch.from_numpy(tables), non_blocking=True)
+        key = (bucket, self.context_bucket(int(ctx.max())))
+        entry = self._graphs.get(key)
+        if entry is None:
+            entry = self._capture(*key)
+            self._graphs[key] = entry
+        graph, logits = entry
+        graph.replay()
+        return logits[:b]
+
+    def _batch(self, bucket: int, context_bucket: int) -> AttentionBatch:
+        return AttentionBatch(
+            q_lens=self.q_lens[:bucket], cu_q_lens=self.cu_q_lens[:bucket + 1],
+            context_lens=self.context_lens[:bucket], block_tables=self.block_tables[:bucket],
+            slot_mapping=self.slot_mapping[:bucket], positions=self.positions[:bucket],
+            q_lens_host=[1] * bucket, context_lens_host=[context_bucket] * bucket,
+            max_q_len=1, max_context_len=context_bucket)
+
+    def _capture(self, bucket: int, context_bucket: int):
+        batch = self._batch(bucket, context_bucket)
+        rows = torch.arange(bucket, device=self.model.device)
+        # warm up on a side stream (lazy allocations, cuBLAS handles), then capture
+        stream = torch.cuda.Stream(self.model.device)
+        stream.wait_stream(torch.cuda.current_stream(self.model.device))
+        with torch.cuda.stream(stream):
+            self.model.forward(self.input_ids[:bucket], batch, self.kv_cache, rows)
+        torch.cuda.current_stream(self.model.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            logits = self.model.forward(self.input_ids[:bucket], batch, self.kv_cache, rows)
+        return graph, logits

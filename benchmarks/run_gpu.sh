@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On a CUDA machine: build turbomq._native with the kernels (cmake, no pip),
-# run tests/gpu, then the kernel benchmark. Logs and results go to $OUT
-# (default build/gpu-results); copy kernels.md/kernels.json to docs/benchmarks/.
+# run tests/gpu, then the benchmarks named in $BENCH (default: kernels engine).
+# Logs and results go to $OUT (default build/gpu-results); copy the .md/.json/.png
+# results to docs/benchmarks/. Extra engine-benchmark flags: $ENGINE_ARGS.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-build/gpu-results}
@@ -37,7 +38,13 @@ $PY -m pytest tests/gpu tests/test_cuda_sources.py -q -rs -p no:cacheprovider 2>
   | tee "$OUT/tests.log" | tail -n 40
 tests=${PIPESTATUS[0]}
 
-$PY benchmarks/gpu_kernels.py --out "$OUT" 2>&1 | tee "$OUT/bench.log"
-bench=${PIPESTATUS[0]}
-echo "tests exit $tests, benchmark exit $bench"
+bench=0
+for b in ${BENCH:-kernels engine}; do
+  extra=""
+  [ "$b" = engine ] && extra=${ENGINE_ARGS:-}
+  # shellcheck disable=SC2086
+  $PY "benchmarks/gpu_$b.py" --out "$OUT" $extra 2>&1 | tee "$OUT/bench-$b.log" | tail -n 60
+  [ "${PIPESTATUS[0]}" -eq 0 ] || bench=1
+done
+echo "tests exit $tests, benchmarks exit $bench"
 [ "$tests" -eq 0 ] && [ "$bench" -eq 0 ]

@@ -32,7 +32,7 @@ from .session_store import (InMemorySessionStore, SessionModelMismatch, SessionS
                             SessionStoreError)
 from .tokenizer import Tokenizer
 from .weights import load_checkpoint
-from .._native import KVCacheManager, SeqState
+from .._native import KVCacheManager, SeqState, SeqState
 
 log = logging.getLogger("turbomq.engine")
 
@@ -282,6 +282,18 @@ class Engine:
         ending.done.wait()
         if not (in_store or ending.had_kv):
             raise errors.UnknownSession(f"no session {session_id!r}")
+
+    def evict_session(self, session_id: str) -> None:
+        """Drop a cached session's KV (its token IDs stay in the store): its
+        next turn is a miss and re-prefills. For forced moves and tests."""
+        ending = _EndSession(session_id)
+        self._inbox.put(("evict_session", ending))
+        self._wakeup.set()
+        if self._thread is None:
+            self._drain_inbox()
+        ending.done.wait()
+        if not ending.had_kv:
+            raise errors.UnknownSession(f"session {session_id!r} has no cached KV here")
 
     def generate(self, prompts: Optional[Union[str, Seq[str]]] = None,
                  input_ids: Optional[Seq[Seq[int]]] = None,
@@ -545,6 +557,13 @@ class Engine:
                 req = self._live.get(payload)
                 if req is not None and req.seq.status is not SeqStatus.FINISHED:
                     self._finish(req, "cancelled", keep_kv=False)
+            elif kind == "evict_session":
+                key = self._session_keys.get(payload.session_id)
+                payload.had_kv = (key is not None and self.kv_manager.contains(key) and
+                                  self.kv_manager.state(key) == SeqState.CACHED)
+                if payload.had_kv:
+                    self.kv_manager.evict(key)
+                payload.done.set()
             elif kind == "end_session":
                 key = self._session_keys.pop(payload.session_id, None)
                 self._session_kv_tokens.pop(payload.session_id, None)

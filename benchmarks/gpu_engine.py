@@ -1,0 +1,315 @@
+"""Engine benchmarks on one GPU, on a Llama-3-8B-shaped model with random
+bf16 weights (values do not change speed), in one run:
+
+- ceilings: device-to-device copy bandwidth and bf16 GEMM rate;
+- decode at batch 1 (prompt 128, 256 new tokens): tokens/s and MBU;
+- offline throughput on a seeded ShareGPT-like workload (ignore EOS), beside
+  HF transformers' continuous batching on the same workload;
+- multi-turn: TTFT of a turn on a resident 8k session, after its eviction,
+  and of a fresh prompt of the turn's length.
+
+    python benchmarks/gpu_engine.py --out DIR [--requests 1000] [--hf-requests 1000]
+
+Writes engine.md, engine.json and engine.png into DIR (copy them to
+docs/benchmarks/)."""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from turbomq.worker import Engine, EngineConfig, SamplingParams
+from turbomq.worker.config import ModelConfig, RopeScaling
+from turbomq.worker.model import LlamaModel
+
+LLAMA3_8B = ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                        num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
+                        rms_norm_eps=1e-5, rope_theta=500000.0,
+                        rope_scaling=RopeScaling("llama3", 8.0, 1.0, 4.0, 8192),
+                        max_position_embeddings=16384, bos_token_id=128000,
+                        eos_token_ids=(128001,), torch_dtype="bfloat16")
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+def sync_time() -> float:
+    torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+def median_ms(fn, reps: int = 20) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return float(np.median(times))
+
+
+def ceilings() -> dict:
+    n = 1 << 30  # 2 GiB of bf16 per buffer
+    src = torch.randn(n, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    copy_ms = median_ms(lambda: dst.copy_(src))
+    read_ms = median_ms(lambda: src.view(torch.int64).sum())
+    del src, dst
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    gemm_ms = median_ms(lambda: a @ b)
+    del a, b
+    nbytes = 2 * n
+    return {"copy_GBps": 2 * nbytes / copy_ms / 1e6, "read_GBps": nbytes / read_ms / 1e6,
+            "gemm_TFLOPs": 2 * 8192 ** 3 / gemm_ms / 1e9}
+
+
+def random_tensors(cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def w(*shape: int, std: float = 0.02) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g, device="cuda", dtype=torch.bfloat16) * std)
+
+    h, qkv = cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size
+    t = {"embed.weight": w(cfg.vocab_size, h), "norm.weight": torch.ones(h, dtype=torch.bfloat16, device="cuda"),
+         "lm_head.weight": w(cfg.vocab_size, h)}
+    for i in range(cfg.num_layers):
+        t[f"layers.{i}.attn_norm.weight"] = torch.ones(h, dtype=torch.bfloat16, device="cuda")
+        t[f"layers.{i}.mlp_norm.weight"] = torch.ones(h, dtype=torch.bfloat16, device="cuda")
+        t[f"layers.{i}.qkv.weight"] = w(qkv, h)
+        t[f"layers.{i}.o.weight"] = w(h, cfg.q_size)
+        t[f"layers.{i}.gate_up.weight"] = w(2 * cfg.intermediate_size, h)
+        t[f"layers.{i}.down.weight"] = w(h, cfg.intermediate_size)
+    return t
+
+
+def weight_bytes_per_token(cfg: ModelConfig) -> int:
+    """Bytes a decode step must read per token at batch 1: every weight but the
+    embedding table (one row of it), plus that row."""
+    per_layer = (cfg.q_size + 2 * cfg.kv_size) * cfg.hidden_size + cfg.hidden_size * cfg.q_size \
+        + 3 * cfg.intermediate_size * cfg.hidden_size + 2 * cfg.hidden_size
+    total = cfg.num_layers * per_layer + cfg.vocab_size * cfg.hidden_size + 2 * cfg.hidden_size
+    return 2 * total
+
+
+def sharegpt_like(n: int, seed: int = 0) -> list[tuple[list[int], int]]:
+    """Lognormal lengths with means ~250 in / ~250 out, clipped to [4, 1024]."""
+    rng = np.random.default_rng(seed)
+    sigma = 0.9
+    mu = math.log(250) - sigma ** 2 / 2
+    ins = np.clip(rng.lognormal(mu, sigma, n), 4, 1024).astype(int)
+    outs = np.clip(rng.lognormal(mu, sigma, n), 4, 1024).astype(int)
+    return [(rng.integers(1000, 120000, size=i).tolist(), int(o)) for i, o in zip(ins, outs)]
+
+
+def run_offline(engine: Engine, work: list[tuple[list[int], int]]) -> dict:
+    done = {"n": 0, "tokens": 0}
+
+    def on_event(event) -> None:
+        done["tokens"] += len(event.token_ids)
+        if event.finished:
+            done["n"] += 1
+
+    t0 = sync_time()
+    for prompt, out_len in work:
+        engine.submit(input_ids=prompt, params=SamplingParams(max_tokens=out_len, **GREEDY),
+                      callback=on_event)
+    while engine.has_work():
+        engine.step()
+    elapsed = sync_time() - t0
+    assert done["n"] == len(work)
+    return {"seconds": elapsed, "output_tokens": done["tokens"],
+            "output_tok_per_s": done["tokens"] / elapsed, "req_per_s": len(work) / elapsed}
+
+
+def decode_batch1(engine: Engine, cfg: ModelConfig, bandwidth: dict) -> dict:
+    prompt = list(range(1000, 1128))
+    stamps = []
+    engine.submit(input_ids=prompt, params=SamplingParams(max_tokens=256, **GREEDY),
+                  callback=lambda e: stamps.append((time.perf_counter(), len(e.token_ids))))
+    t0 = sync_time()
+    while engine.has_work():
+        engine.step()
+    ttft = stamps[0][0] - t0
+    decode_s = stamps[-1][0] - stamps[0][0]
+    tok_s = (256 - 1) / decode_s
+    nbytes = weight_bytes_per_token(cfg)
+    return {"ttft_ms": ttft * 1e3, "decode_tok_per_s": tok_s, "bytes_per_token": nbytes,
+            "mbu_copy": tok_s * nbytes / (bandwidth["copy_GBps"] * 1e9),
+            "mbu_read": tok_s * nbytes / (bandwidth["read_GBps"] * 1e9),
+            "roofline_tok_per_s_copy": bandwidth["copy_GBps"] * 1e9 / nbytes}
+
+
+def multi_turn(engine: Engine) -> dict:
+    """TTFT of a 128-token turn on an 8k-token session: resident (hit), after
+    eviction (miss: re-prefill), and a fresh 128-token prompt."""
+    rng = np.random.default_rng(1)
+    history = rng.integers(1000, 120000, size=8064).tolist()
+    turn = rng.integers(1000, 120000, size=128).tolist()
+    params = SamplingParams(max_tokens=1, **GREEDY)
+
+    def ttft(**kw) -> float:
+        t0 = sync_time()
+        engine.generate(params=params, **kw)
+        return (sync_time() - t0) * 1e3
+
+    engine.generate(input_ids=[history], params=SamplingParams(max_tokens=64, **GREEDY), session_id="s")
+    hit = ttft(input_ids=[turn], session_id="s")
+    engine.evict_session("s")
+    miss = ttft(input_ids=[turn], session_id="s")
+    fresh = ttft(input_ids=[turn])
+    return {"history_tokens": len(history) + 64, "turn_tokens": len(turn), "hit_ttft_ms": hit,
+            "evicted_ttft_ms": miss, "fresh_ttft_ms": fresh, "hit_over_fresh": hit / fresh}
+
+
+def hf_offline(cfg: ModelConfig, work: list) -> dict:
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    hf_cfg = LlamaConfig(**{k: v for k, v in cfg.to_hf().items()
+                            if k not in ("architectures", "model_type", "torch_dtype", "eos_token_id")})
+    hf_cfg.eos_token_id = None
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device("cuda"):
+        hf = LlamaForCausalLM(hf_cfg).eval()
+    torch.set_default_dtype(torch.float32)
+    gen_cfg = GenerationConfig(do_sample=False, max_new_tokens=max(o for _, o in work),
+                               eos_token_id=None, pad_token_id=0)
+    mode = "per-request max_new_tokens (ContinuousBatchingManager)"
+    t0 = sync_time()
+    try:
+        out_tokens = 0
+        with hf.continuous_batching_context_manager(generation_config=gen_cfg, block=True,
+                                                    timeout=5) as manager:
+            for i, (prompt, n) in enumerate(work):
+                manager.add_request(prompt, request_id=f"r{i}", max_new_tokens=n)
+            finished = 0
+            while finished < len(work):
+                result = manager.get_result(timeout=1)
+                if result is not None and result.is_finished():
+                    finished += 1
+                    out_tokens += len(result.generated_tokens)
+                elif result is None and not manager.is_running():
+                    raise RuntimeError("HF continuous batching stopped")
+    except Exception as exc:  # API differences between transformers releases
+        print(f"HF manager path failed ({exc!r}); falling back to generate_batch with max_new_tokens")
+        mode = "generate_batch, one max_new_tokens per output-length group"
+        out_tokens = 0
+        t0 = sync_time()
+        groups: dict[int, list] = {}
+        for prompt, n in work:
+            groups.setdefault(n, []).append(prompt)
+        for n, prompts in groups.items():
+            res = hf.generate_batch(inputs=prompts, generation_config=gen_cfg, max_new_tokens=n)
+            out_tokens += sum(len(r.generated_tokens) for r in res.values())
+    elapsed = sync_time() - t0
+    del hf
+    gc.collect()
+    torch.cuda.empty_cache()
+    return {"seconds": elapsed, "output_tokens": out_tokens, "output_tok_per_s": out_tokens / elapsed,
+            "req_per_s": len(work) / elapsed, "mode": mode}
+
+
+def write_report(out: Path, results: dict) -> None:
+    c, d, o, m = results["ceilings"], results["decode_batch1"], results["offline"], results["multi_turn"]
+    hf = results.get("hf_offline")
+    lines = [
+        "# Engine benchmarks (Llama-3-8B shapes, random bf16 weights)", "",
+        f"Device: {results['device']}. Command: `python benchmarks/gpu_engine.py --out DIR` "
+        "(via `benchmarks/run_gpu.sh`).", "",
+        "## Ceilings (same run)", "",
+        "| copy GB/s (read+write) | read-only GB/s | bf16 GEMM TFLOP/s |", "|---:|---:|---:|",
+        f"| {c['copy_GBps']:.0f} | {c['read_GBps']:.0f} | {c['gemm_TFLOPs']:.0f} |", "",
+        "## Decode, batch 1 (prompt 128, 256 new tokens)", "",
+        "| tokens/s | MBU vs copy | MBU vs read | roofline tok/s (copy) | TTFT ms |",
+        "|---:|---:|---:|---:|---:|",
+        f"| {d['decode_tok_per_s']:.1f} | {d['mbu_copy']:.2f} | {d['mbu_read']:.2f} | "
+        f"{d['roofline_tok_per_s_copy']:.0f} | {d['ttft_ms']:.1f} |", "",
+        f"## Offline throughput ({results['requests']} requests, ShareGPT-like, ignore EOS)", "",
+        "| engine | output tok/s | req/s | seconds |", "|---|---:|---:|---:|",
+        f"| turbomq | {o['output_tok_per_s']:.0f} | {o['req_per_s']:.2f} | {o['seconds']:.1f} |",
+    ]
+    if hf:
+        lines.append(f"| HF transformers continuous batching ({hf['mode']}) on "
+                     f"{results['hf_requests']} requests | {hf['output_tok_per_s']:.0f} | "
+                     f"{hf['req_per_s']:.2f} | {hf['seconds']:.1f} |")
+        if "offline_hf_subset" in results:
+            s = results["offline_hf_subset"]
+            lines.append(f"| turbomq on the same {results['hf_requests']} requests | "
+                         f"{s['output_tok_per_s']:.0f} | {s['req_per_s']:.2f} | {s['seconds']:.1f} |")
+        lines += ["", f"Speed-up over HF (same requests): {results['speedup_vs_hf']:.1f}x"]
+    lines += ["", "## Multi-turn TTFT (128-token turn on an ~8k-token session)", "",
+              "| resident (hit) ms | after eviction ms | fresh 128-token prompt ms | hit / fresh |",
+              "|---:|---:|---:|---:|",
+              f"| {m['hit_ttft_ms']:.1f} | {m['evicted_ttft_ms']:.1f} | {m['fresh_ttft_ms']:.1f} | "
+              f"{m['hit_over_fresh']:.2f} |", ""]
+    (out / "engine.md").write_text("\n".join(lines) + "\n")
+    (out / "engine.json").write_text(json.dumps(results, indent=2) + "\n")
+    print("\n".join(lines))
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        fig, ax = plt.subplots(1, 2, figsize=(10, 4))
+        names = ["turbomq"] + (["HF CB"] if hf else [])
+        vals = [results.get("offline_hf_subset", o)["output_tok_per_s"]] + ([hf["output_tok_per_s"]] if hf else [])
+        ax[0].bar(names, vals)
+        ax[0].set_title("offline output tokens/s (same requests)")
+        ax[1].bar(["hit", "evicted", "fresh"], [m["hit_ttft_ms"], m["evicted_ttft_ms"], m["fresh_ttft_ms"]])
+        ax[1].set_title("multi-turn TTFT, ms")
+        fig.tight_layout()
+        fig.savefig(out / "engine.png", dpi=100)
+    except ImportError:
+        print("matplotlib not installed: no plot")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--requests", type=int, default=1000)
+    ap.add_argument("--hf-requests", type=int, default=1000)
+    ap.add_argument("--max-batch-size", type=int, default=256)
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    cfg = LLAMA3_8B
+    results: dict = {"device": torch.cuda.get_device_name(), "requests": args.requests,
+                     "hf_requests": args.hf_requests}
+    results["ceilings"] = ceilings()
+    print("ceilings", results["ceilings"], flush=True)
+    model = LlamaModel(cfg, random_tensors(cfg), "cuda", torch.bfloat16)
+    engine_cfg = EngineConfig(model="(random weights)", device="cuda", max_batch_size=args.max_batch_size,
+                              block_size=64, kv_cache_fraction=0.85, max_num_batched_tokens=8192,
+                              max_model_len=16384)
+    engine = Engine(engine_cfg, model=model)
+    results["kv_tokens_capacity"] = engine.stats()["kv_tokens_capacity"]
+    # warm-up: captures the decode graphs used below
+    engine.generate(input_ids=[list(range(1000, 1128))] * 4, params=SamplingParams(max_tokens=8, **GREEDY))
+    results["decode_batch1"] = decode_batch1(engine, cfg, results["ceilings"])
+    print("decode", results["decode_batch1"], flush=True)
+    results["multi_turn"] = multi_turn(engine)
+    print("multi-turn", results["multi_turn"], flush=True)
+    work = sharegpt_like(args.requests)
+    results["offline"] = run_offline(engine, work)
+    print("offline", results["offline"], flush=True)
+    hf_work = work[:args.hf_requests]
+    if args.hf_requests and args.hf_requests != args.requests:
+        results["offline_hf_subset"] = run_offline(engine, hf_work)
+    ours = results.get("offline_hf_subset", results["offline"])
+    del engine, model
+    gc.collect()
+    torch.cuda.empty_cache()
+    if args.hf_requests:
+        results["hf_offline"] = hf_offline(cfg, hf_work)
+        results["speedup_vs_hf"] = ours["output_tok_per_s"] / results["hf_offline"]["output_tok_per_s"]
+    write_report(args.out, results)
+
+
+if __name__ == "__main__":
+    main()

@@ -104,7 +104,7 @@ def sharegpt_like(n: int, seed: int = 0) -> list[tuple[list[int], int]]:
     """Lognormal lengths with means ~250 in / ~250 out, clipped to [4, 1024]."""
     rng = np.random.default_rng(seed)
     sigma = 0.9
-    mu = math.log(250) - sigma ** 2 / 2
+    mu = math.log(275) - sigma ** 2 / 2  # clipping pulls the means to ~250
     ins = np.clip(rng.lognormal(mu, sigma, n), 4, 1024).astype(int)
     outs = np.clip(rng.lognormal(mu, sigma, n), 4, 1024).astype(int)
     return [(rng.integers(1000, 120000, size=i).tolist(), int(o)) for i, o in zip(ins, outs)]

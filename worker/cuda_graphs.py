@@ -58,6 +58,9 @@ class DecodeGraphs:
         self.block_tables[:, 0] = scratch_block
         self.q_lens = torch.ones(n, dtype=torch.int32, device=dev)
         self.cu_q_lens = torch.arange(n + 1, dtype=torch.int32, device=dev)
+        # every tensor a graph reads must outlive the graph: the rows whose
+        # logits are kept are static too
+        self.rows = torch.arange(n, device=dev)
         self._scratch_table_row = np.full(self.width, -1, dtype=np.int32)
         self._scratch_table_row[0] = scratch_block
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -115,7 +118,7 @@ class DecodeGraphs:
 
     def _capture(self, bucket: int, context_bucket: int):
         batch = self._batch(bucket, context_bucket)
-        rows = torch.arange(bucket, device=self.model.device)
+        rows = self.rows[:bucket]
         # warm up on a side stream (lazy allocations, cuBLAS handles), then capture
         stream = torch.cuda.Stream(self.model.device)
         stream.wait_stream(torch.cuda.current_stream(self.model.device))

@@ -97,7 +97,6 @@ class _EndSession:
 @dataclass(eq=False)
 class _Request:
     seq: Sequence
-    new_prompt: list[int]
     text: TextStream
     rng: SeedRNG
     callback: Callback
@@ -247,7 +246,7 @@ class Engine:
         text = TextStream(self.tokenizer, tokens[max(prompt_len - 8, 0):prompt_len], params.stop)
         for token in resume:  # already delivered: only advance the detokenizer
             text.push(token)
-        req = _Request(seq=seq, new_prompt=new_prompt, text=text,
+        req = _Request(seq=seq, text=text,
                        rng=SeedRNG(params.seed).advance(0 if params.is_greedy else len(resume)),
                        callback=callback or (lambda _e: None), emitted_tokens=len(resume))
         with self._lock:

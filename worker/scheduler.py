@@ -174,15 +174,11 @@ class Scheduler:
         # 3. admit waiting requests, FCFS, while slots and budget last
         while self.waiting and budget >= 1 and self.num_free_slots:
             seq = self.waiting[0]
-            if not self._admit(seq, plan):
+            if not self._admit(seq):
                 break  # head of line waits for blocks; nobody overtakes it
             self.waiting.popleft()
+            # _admit reserved blocks for all known tokens, so any chunk fits
             n = min(len(seq.tokens) - seq.num_computed, budget)
-            if not self._reserve(seq, seq.num_computed + n, plan, may_preempt=False):
-                # cannot happen after _admit reserved at least this much; keep it safe
-                self._unadmit(seq)
-                self.waiting.appendleft(seq)
-                break
             plan.scheduled.append(ScheduledSeq(seq, n))
             budget -= n
         return plan
@@ -244,7 +240,7 @@ class Scheduler:
             want = len(seq.tokens)
         return min(want, cfg.max_model_len, self.max_tokens_in_pool())
 
-    def _admit(self, seq: Sequence, plan: StepPlan) -> bool:
+    def _admit(self, seq: Sequence) -> bool:
         kv = self.kv
         existed = kv.contains(seq.kv_key)
         resident = kv.acquire(seq.kv_key)
@@ -275,19 +271,11 @@ class Scheduler:
         else:
             self.kv.erase(seq.kv_key)
 
-    def _unadmit(self, seq: Sequence) -> None:
-        self._leave_slot(seq)
-        self._unadmit_kv(seq, True)
-        seq.status = SeqStatus.WAITING
-
-    def _reserve(self, seq: Sequence, num_tokens: int, plan: StepPlan,
-                 may_preempt: bool = True) -> bool:
+    def _reserve(self, seq: Sequence, num_tokens: int, plan: StepPlan) -> bool:
         """Blocks for `num_tokens` of `seq`; preempts the newest running
         sequences when even evicting every cached session is not enough.
         False if `seq` itself had to give way."""
         while not self.kv.reserve(seq.kv_key, num_tokens):
-            if not may_preempt:
-                return False
             victim = next(reversed(self._running.values()))  # the newest
             self._preempt(victim, plan)
             if victim is seq:

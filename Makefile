@@ -8,12 +8,14 @@ STAMP := $(VENV)/.turbomq-installed
 
 .PHONY: serve test setup sysdeps native cuda-check clean
 
-# Real redis-server and prometheus for the service and the tests (Debian packages).
+# Real redis-server, prometheus and docker-compose (to validate the compose file)
+# for the service and the tests (Debian packages).
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 sysdeps:
-	@if ! command -v redis-server >/dev/null || ! command -v prometheus >/dev/null; then \
+	@if ! command -v redis-server >/dev/null || ! command -v prometheus >/dev/null \
+	    || ! command -v docker-compose >/dev/null; then \
 	  $(SUDO) apt-get update -q && \
-	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q redis-server prometheus; \
+	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q redis-server prometheus docker-compose; \
 	fi
 
 # torch goes in first and pinned: pip would otherwise pull a multi-GB CUDA build.
@@ -34,8 +36,10 @@ native: $(STAMP)
 $(DEMO_MODEL)/config.json: $(STAMP)
 	$(VENV)/bin/turbomq demo-model $(DEMO_MODEL)
 
+# The whole service on this machine: broker, 2 workers, a local redis-server.
+# SERVE_ARGS=--smoke streams one generation through the client and exits.
 serve: $(STAMP) $(DEMO_MODEL)/config.json
-	$(VENV)/bin/turbomq generate --model $(DEMO_MODEL) --prompt "Once upon a time" --max-tokens 128 --temperature 0.8 --seed 0
+	$(VENV)/bin/turbomq up --model $(DEMO_MODEL) --workers 2 $(SERVE_ARGS)
 
 # Every CUDA source must compile for Hopper (sm_90a), GPU or not.
 cuda-check:

@@ -51,6 +51,8 @@ class Broker:
         self.pending_ends: dict[str, PendingEnd] = {}
         self._next_key = 0
         self._stopping = False
+        # Optional metrics: .tick(broker) each tick, .finished(seconds) per request.
+        self.observer = None
         self._packb = msgpack.Packer(use_bin_type=True).pack
         self._front_send = self.front.send
         self._back_send = self.back.send
@@ -508,6 +510,9 @@ class Broker:
         self._drain_queue()
 
     def _finish(self, p: Pending, outcome: str) -> None:
+        if self.observer is not None:  # the deadline was set at arrival
+            started = p.deadline - (p.msg.get("timeout") or self.config.default_timeout)
+            self.observer.finished(time.monotonic() - started)
         self.stats.outcomes[outcome] += 1
         p.client_done = True
         self._forget_client_side(p)
@@ -595,6 +600,8 @@ class Broker:
                 del self.pending_ends[key]
                 self._send_client(end.client, P.error(end.request_id, Code.TIMEOUT,
                                                       "the worker did not answer end_session"))
+        if self.observer is not None:
+            self.observer.tick(self)
 
     def stats_snapshot(self) -> dict:
         return self.stats.snapshot(

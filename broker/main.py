@@ -32,8 +32,64 @@ def build_parser() -> argparse.ArgumentParser:
                    help="request deadline in seconds when the client sets none")
     p.add_argument("--cancel-grace", type=float, default=d.cancel_grace)
     p.add_argument("--max-redispatch", type=int, default=d.max_redispatch)
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus /metrics on this port (0: a free one; default: none)")
+    p.add_argument("--metrics-host", default="127.0.0.1")
     p.add_argument("--log-level", default="INFO")
     return p
+
+
+# BrokerStats names -> the catalogue's label values (docs/metrics.md).
+_OUTCOMES = {"completed": "completed", "cancelled": "cancelled", "client_gone": "cancelled",
+             "timeout": "timeout", "overloaded": "rejected", "no_workers": "rejected",
+             "session_busy": "rejected", "duplicate_request": "rejected"}  # others: error
+_DECISIONS = {"affinity": "affinity", "moved": "moved", "new": "new", "stateless": "new"}
+_REJECTS = {"bad_frame": "malformed", "unknown_kind": "unknown_type", "bad_version": "bad_version",
+            "frame_too_large": "too_large"}  # others: invalid
+
+
+class MetricsSync:
+    """Copies the broker's own counters into BrokerMetrics once per tick (by
+    difference), so the routing loop pays nothing per message."""
+
+    def __init__(self, metrics) -> None:
+        self.m = metrics
+        self._last: dict = {}
+
+    def _add(self, family, label: str, value: str, key: str, total: float) -> None:
+        delta = total - self._last.get(key, 0)
+        if delta > 0:
+            (family.labels(**{label: value}) if label else family).inc(delta)
+        self._last[key] = total
+
+    def tick(self, broker) -> None:
+        s, m = broker.stats, self.m
+        for name, n in s.outcomes.items():
+            self._add(m.requests, "outcome", _OUTCOMES.get(name, "error"), "o:" + name, n)
+        for name, n in s.routing.items():
+            self._add(m.routing_decisions, "decision", _DECISIONS.get(name, "new"), "r:" + name, n)
+        for side, counts in (("c", s.frames_rejected), ("w", s.worker_frames_rejected)):
+            for code, n in counts.items():
+                self._add(m.frames_rejected, "reason", _REJECTS.get(code, "invalid"),
+                          f"f{side}:{code}", n)
+        self._add(m.redispatches, "", "", "redispatches", s.redispatches)
+        m.requests_in_flight.set(len(broker.requests))
+        m.queue_depth.set(len(broker.queue))
+        m.workers_alive.set(len(broker.workers))
+
+    def finished(self, seconds: float) -> None:
+        self.m.request_duration.observe(seconds)
+
+
+def _serve_metrics(broker, host: str, port: int) -> int:
+    # Imported here: a broker without --metrics-port needs no prometheus-client.
+    from prometheus_client import CollectorRegistry
+    from turbomq.monitoring import BrokerMetrics, serve_metrics
+
+    registry = CollectorRegistry()
+    broker.observer = MetricsSync(BrokerMetrics(registry))
+    _, bound = serve_metrics(registry, host, port)
+    return bound
 
 
 def config_from_args(args: argparse.Namespace) -> BrokerConfig:
@@ -55,8 +111,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             broker.stop()
         signal.signal(signal.SIGTERM, stop)
         signal.signal(signal.SIGINT, stop)
+        endpoints = {"front": broker.front_endpoint, "back": broker.back_endpoint}
+        if args.metrics_port is not None:
+            endpoints["metrics_port"] = _serve_metrics(broker, args.metrics_host, args.metrics_port)
         # One JSON line with the bound endpoints, for scripts that asked for port *.
-        print(json.dumps({"front": broker.front_endpoint, "back": broker.back_endpoint}), flush=True)
+        print(json.dumps(endpoints), flush=True)
 
     run_broker(config, ready=ready)
     return 0

@@ -22,7 +22,7 @@ def run(args, **kw) -> subprocess.CompletedProcess:
 def test_help_lists_commands():
     out = run(TURBOMQ + ["--help"])
     assert out.returncode == 0
-    for command in ("generate", "demo-model", "convert"):
+    for command in ("generate", "demo-model", "convert", "broker", "worker", "up", "chat"):
         assert command in out.stdout
 
 
@@ -54,6 +54,10 @@ def test_convert_then_generate_same_tokens(tmp_path):
 
 
 def test_make_serve_streams_text(tmp_path):
-    out = run(["make", "-s", "serve", f"DEMO_MODEL={tmp_path / 'demo'}"], cwd=ROOT)
+    # --smoke: broker + 2 workers + redis, one generation streamed through the client, exit.
+    out = run(["make", "-s", "serve", f"DEMO_MODEL={tmp_path / 'demo'}", "SERVE_ARGS=--smoke"],
+              cwd=ROOT)
     assert out.returncode == 0, out.stderr
+    assert "Clients connect to tcp://127.0.0.1:" in out.stdout
+    assert "[length;" in out.stdout or "[stop;" in out.stdout
     assert len(out.stdout.strip()) > 20

@@ -1,0 +1,223 @@
+"""`turbomq up`: the whole service on one machine. A broker, K worker
+processes and, unless a Redis URL is given, a throw-away local redis-server.
+Children run in their own process groups, so a Ctrl-C reaches only this
+process, which then stops them in order: workers, broker, Redis.
+
+No torch here: the workers import it in their own processes."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+log = logging.getLogger("turbomq.up")
+
+START_TIMEOUT_S = 120.0  # model load included
+
+
+@dataclass
+class UpConfig:
+    model: str
+    workers: int = 2
+    front: str = "tcp://127.0.0.1:5555"
+    back: str = "tcp://127.0.0.1:*"
+    redis_url: Optional[str] = None  # None: start a local redis-server if there is one
+    device: str = "cpu"  # "cuda" gives worker i cuda:i
+    worker_args: list = field(default_factory=list)  # engine flags passed to every worker
+    metrics: bool = True  # each process serves /metrics on a free port
+    log_level: str = "WARNING"
+
+
+@dataclass
+class Running:
+    front: str
+    back: str
+    redis_url: Optional[str]
+    broker_metrics_port: Optional[int]
+    workers: list  # [{"worker_id", "metrics_port"}]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _read_json_line(proc: subprocess.Popen, what: str, timeout: float) -> dict:
+    """The first stdout line of a child: the JSON it prints once it serves."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with code {proc.returncode} while starting")
+        ready, _, _ = select.select([proc.stdout], [], [], 0.2)
+        if ready:
+            line = proc.stdout.readline()
+            if line:
+                return json.loads(line)
+    raise RuntimeError(f"{what} did not start within {timeout:.0f}s")
+
+
+class LocalService:
+    """Start, watch and stop the processes of `turbomq up`."""
+
+    def __init__(self, config: UpConfig):
+        self.config = config
+        self.procs: list[tuple[str, subprocess.Popen]] = []
+        self._tmp: Optional[str] = None
+
+    def _spawn(self, name: str, cmd: list, stdout=subprocess.PIPE) -> subprocess.Popen:
+        proc = subprocess.Popen(cmd, stdout=stdout, text=True, start_new_session=True)
+        self.procs.append((name, proc))
+        return proc
+
+    def start(self) -> Running:
+        c = self.config
+        redis_url = self._redis()
+        cmd = [sys.executable, "-m", "turbomq.broker", "--front", c.front, "--back", c.back,
+               "--log-level", c.log_level]
+        if c.metrics:
+            cmd += ["--metrics-port", "0"]
+        broker = _read_json_line(self._spawn("broker", cmd), "the broker", 30)
+        workers = []
+        for i in range(c.workers):
+            device = f"cuda:{i}" if c.device == "cuda" else c.device
+            cmd = [sys.executable, "-m", "turbomq.worker.cli", "worker", "--model", c.model,
+                   "--device", device, "--broker", broker["back"], "--worker-id", f"worker-{i}",
+                   "--log-level", c.log_level, *c.worker_args]
+            if redis_url:
+                cmd += ["--redis-url", redis_url]
+            if not c.metrics:
+                cmd += ["--no-metrics"]
+            self._spawn(f"worker-{i}", cmd)
+        for name, proc in self.procs:
+            if name.startswith("worker-"):
+                workers.append(_read_json_line(proc, name, START_TIMEOUT_S))
+        return Running(broker["front"], broker["back"], redis_url, broker.get("metrics_port"),
+                       workers)
+
+    def _redis(self) -> Optional[str]:
+        if self.config.redis_url:
+            return self.config.redis_url
+        binary = shutil.which("redis-server")
+        if binary is None:
+            log.warning("no --redis-url and no redis-server on PATH: each worker keeps its own "
+                        "sessions in memory, so a session works only while it stays on one worker")
+            return None
+        self._tmp = tempfile.mkdtemp(prefix="turbomq-redis-")
+        port = _free_port()
+        self._spawn("redis", [binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", self._tmp,
+                              "--save", "", "--appendonly", "no", "--daemonize", "no",
+                              "--loglevel", "warning"], stdout=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
+                    s.sendall(b"PING\r\n")
+                    if s.recv(16).startswith(b"+PONG"):
+                        return f"redis://127.0.0.1:{port}/0"
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError("the local redis-server did not start")
+
+    def failed(self) -> Optional[str]:
+        """The name of a child that exited, if any."""
+        for name, proc in self.procs:
+            if proc.poll() is not None:
+                return f"{name} (exit code {proc.returncode})"
+        return None
+
+    def stop(self) -> None:
+        # Workers first (they talk to both others), then the broker, then Redis.
+        rank = {"broker": 1, "redis": 2}
+        for step in (0, 1, 2):
+            group = [proc for name, proc in self.procs if rank.get(name, 0) == step]
+            for proc in group:
+                if proc.poll() is None:
+                    proc.terminate()
+            for proc in group:
+                try:
+                    proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait(5)
+        for _, proc in self.procs:
+            if proc.stdout is not None:
+                proc.stdout.close()
+        if self._tmp is not None:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+
+
+def _describe(running: Running) -> str:
+    lines = [f"turbomq is up. Clients connect to {running.front}",
+             f"  broker   back {running.back}"
+             + (f", metrics http://127.0.0.1:{running.broker_metrics_port}/metrics"
+                if running.broker_metrics_port else "")]
+    lines.append(f"  redis    {running.redis_url}" if running.redis_url
+                 else "  redis    none: sessions are per worker (in-process stores)")
+    for w in running.workers:
+        port = w.get("metrics_port")
+        lines.append(f"  worker   {w['worker_id']}"
+                     + (f", metrics http://127.0.0.1:{port}/metrics" if port else ""))
+    return "\n".join(lines)
+
+
+def smoke(front: str, workers: int) -> str:
+    """Stream one generation through the real client; returns its text."""
+    from turbomq.clients import Client, Final
+
+    with Client(front, timeout=60) as client:
+        deadline = time.monotonic() + 30
+        while client.health()["workers"] < workers:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the workers did not register with the broker")
+            time.sleep(0.1)
+        text = []
+        for event in client.generate("Once upon a time", max_tokens=48, temperature=0.8, seed=0,
+                                     stream=True):
+            if isinstance(event, Final):
+                print(f"\n[{event.finish_reason}; {event.usage.completion_tokens} tokens]", flush=True)
+            else:
+                text.append(event.text)
+                print(event.text, end="", flush=True)
+        return "".join(text)
+
+
+def run_up(config: UpConfig, smoke_test: bool = False) -> int:
+    service = LocalService(config)
+    stopping = []
+
+    def on_signal(signum, _frame):
+        stopping.append(signum)
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        running = service.start()
+        print(_describe(running), flush=True)
+        if smoke_test:
+            smoke(running.front, config.workers)
+            return 0
+        print("Ctrl-C stops everything.", flush=True)
+        while not stopping:
+            failed = service.failed()
+            if failed:
+                print(f"turbomq up: {failed} stopped; shutting down", file=sys.stderr)
+                return 1
+            time.sleep(0.2)
+        return 0
+    except (RuntimeError, OSError) as e:
+        print(f"turbomq up: error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        service.stop()

@@ -7,6 +7,9 @@ the prompt's token ids back (cycled up to max_tokens), one step at a time.
 Output token i of a request is input_ids[i % len(input_ids)] (a text prompt
 becomes its code points), so a resumed stream is checkable exactly.
 `--die-after N` exits abruptly after N deltas, to simulate a crash.
+
+The connection itself (socket, register, heartbeats with session diffs,
+liveness, reconnect) is turbomq.worker.link.BrokerLink, the real worker's.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ from typing import Optional, Sequence
 import zmq
 
 from turbomq.clients import protocol as P
-from turbomq.clients.protocol import Code, Kind, ProtocolError
+from turbomq.clients.protocol import Code, Kind
+from turbomq.worker.link import BrokerLink  # torch-free (turbomq.worker imports lazily)
 
 
 @dataclass
@@ -57,20 +61,20 @@ class EchoRequest:
 
 
 class EchoWorker:
+    """The request side of a worker; the connection (socket, register,
+    heartbeats, liveness, reconnect) is turbomq.worker.link.BrokerLink, as in
+    the real worker (worker/service.py)."""
+
     def __init__(self, config: EchoConfig, context: Optional[zmq.Context] = None):
         self.config = config
         self.ctx = context or zmq.Context.instance()
-        self.heartbeat_interval = 0.5
-        self.liveness = 3
+        self.link = BrokerLink(self.ctx, config.broker, self._register_msg)
         self.active: dict[str, EchoRequest] = {}
         self.waiting: deque[EchoRequest] = deque()
-        self.sessions: set[str] = set()
-        self.sessions_added: list[str] = []
-        self.sessions_removed: list[str] = []
+        self.sessions: set[str] = set()  # resident sessions, reported in heartbeats
         self.deltas_sent = 0
         self._stopping = False
         self._log = open(config.event_log, "a", buffering=1) if config.event_log else None
-        self.sock: Optional[zmq.Socket] = None
 
     def stop(self) -> None:
         self._stopping = True
@@ -79,84 +83,56 @@ class EchoWorker:
         if self._log is not None:
             self._log.write(json.dumps({"worker_id": self.config.worker_id, **fields}) + "\n")
 
-    def _connect(self) -> None:
-        if self.sock is not None:
-            self.sock.close(0)
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(self.config.broker)
-        self.active.clear()
-        self.waiting.clear()
-        self.sessions_added, self.sessions_removed = [], []
-        self._send(P.register(self.config.worker_id, self.config.model, self.config.slots,
-                              self.config.kv_blocks))
-        self._first_heartbeat = True
-        self.last_heard = time.monotonic()
-        self.next_beat = 0.0
+    def _register_msg(self) -> dict:
+        c = self.config
+        return P.register(c.worker_id, c.model, c.slots, c.kv_blocks)
 
     def _send(self, msg: dict) -> None:
-        self.sock.send(P.pack(msg))
+        self.link.send(msg)
 
     def _heartbeat(self) -> None:
-        limit = 1024
-        added, self.sessions_added = self.sessions_added[:limit], self.sessions_added[limit:]
-        removed, self.sessions_removed = self.sessions_removed[:limit], self.sessions_removed[limit:]
-        self._send(P.heartbeat(free_slots=max(self.config.slots - len(self.active), 0),
-                               free_kv_blocks=self.config.kv_blocks, queue_len=len(self.waiting),
-                               sessions_reset=self._first_heartbeat, sessions_added=added,
-                               sessions_removed=removed))
-        self._first_heartbeat = False
+        self.link.heartbeat(free_slots=self.config.slots - len(self.active),
+                            free_kv_blocks=self.config.kv_blocks, queue_len=len(self.waiting),
+                            resident=self.sessions)
 
     def run(self) -> None:
-        self._connect()
         poller = zmq.Poller()
-        poller.register(self.sock, zmq.POLLIN)
-        self.next_beat = time.monotonic()
+        poller.register(self.link.connect(), zmq.POLLIN)
         next_step = time.monotonic()
-        while not self._stopping:
-            now = time.monotonic()
-            wake = self.next_beat if not self.active else min(self.next_beat, next_step)
-            for _ in poller.poll(max(0.0, wake - now) * 1000.0):
-                self._drain()
-            now = time.monotonic()
-            if now - self.last_heard > self.heartbeat_interval * self.liveness:
-                poller.unregister(self.sock)
-                self._connect()  # the broker went away: start over
-                poller.register(self.sock, zmq.POLLIN)
-                continue
-            if now >= self.next_beat:
-                self._heartbeat()
-                self.next_beat = now + self.heartbeat_interval
-            if self.active and now >= next_step:
-                self._step()
-                next_step = now + self.config.delay
-        self.sock.close(0)
+        try:
+            while not self._stopping:
+                now = time.monotonic()
+                wait = self.link.wait_s(now)
+                if self.active:
+                    wait = min(wait, max(0.0, next_step - now))
+                if poller.poll(wait * 1000.0):
+                    for msg in self.link.receive():
+                        self._handle(msg)
+                now = time.monotonic()
+                if self.link.lost(now):
+                    # The broker went away (or said reconnect): it re-dispatches
+                    # whatever this connection had, so start over.
+                    self.active.clear()
+                    self.waiting.clear()
+                    poller.unregister(self.link.sock)
+                    poller.register(self.link.connect(), zmq.POLLIN)
+                    continue
+                if self.link.beat_due(now):
+                    self._heartbeat()
+                if self.active and now >= next_step:
+                    self._step()
+                    next_step = now + self.config.delay
+        finally:
+            self.link.close()
 
-    def _drain(self) -> None:
-        while True:
-            try:
-                frame = self.sock.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            self.last_heard = time.monotonic()
-            try:
-                msg = P.decode_broker_command(frame)
-            except ProtocolError as e:
-                self._send(P.error(None, e.code, e.message))
-                continue
-            kind = msg["kind"]
-            if kind == Kind.DISPATCH:
-                self._on_dispatch(msg)
-            elif kind == Kind.CANCEL:
-                self._on_cancel(msg["request_id"], msg["attempt"])
-            elif kind == Kind.END_SESSION:
-                self._on_end_session(msg["request_id"], msg["session_id"])
-            elif kind == Kind.REGISTERED:
-                self.heartbeat_interval = msg["heartbeat_interval"]
-                self.liveness = msg["liveness"]
-                self.next_beat = 0.0  # beat now, then at the broker's interval
-            elif kind == Kind.RECONNECT:
-                self.last_heard = 0.0  # the run loop reconnects
+    def _handle(self, msg: dict) -> None:
+        kind = msg["kind"]
+        if kind == Kind.DISPATCH:
+            self._on_dispatch(msg)
+        elif kind == Kind.CANCEL:
+            self._on_cancel(msg["request_id"], msg["attempt"])
+        elif kind == Kind.END_SESSION:
+            self._on_end_session(msg["request_id"], msg["session_id"])
 
     def _on_dispatch(self, msg: dict) -> None:
         source = msg.get("input_ids") or [ord(c) for c in msg["prompt"]]
@@ -172,9 +148,8 @@ class EchoWorker:
             self._send(P.error(req.key, Code.INVALID_REQUEST, "resume_tokens do not match "
                                "this echo's output", attempt=req.attempt))
             return
-        if req.session_id is not None and req.session_id not in self.sessions:
+        if req.session_id is not None:
             self.sessions.add(req.session_id)
-            self.sessions_added.append(req.session_id)
         if len(self.active) < self.config.slots:
             self.active[req.key] = req
         else:
@@ -197,7 +172,6 @@ class EchoWorker:
         self._event(event="end_session", request_id=key, session_id=sid)
         if sid in self.sessions:
             self.sessions.discard(sid)
-            self.sessions_removed.append(sid)
             self._send(P.session_ended(key, sid))
         else:
             self._send(P.error(key, Code.UNKNOWN_SESSION, f"no session {sid!r}"))

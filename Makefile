@@ -51,7 +51,7 @@ cuda-check:
 
 test: $(STAMP) sysdeps cuda-check
 	# one intra-op thread per process: the suite runs several processes on 2 cores
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -rs -p no:cacheprovider
 
 clean:
 	rm -rf build $(VENV) $(DEMO_MODEL)

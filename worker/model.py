@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
 from .config import ModelConfig
 from .kv_cache import PagedKVCache
@@ -70,19 +69,20 @@ class LlamaModel:
                 x = ops.rms_norm(h, layer["attn_norm"], cfg.rms_norm_eps)
             else:
                 x, residual = ops.add_rms_norm(h, residual, layer["attn_norm"], cfg.rms_norm_eps)
-            qkv = F.linear(x, layer["qkv"])
+            qkv = ops.linear(x, layer["qkv"])
             q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
             q = q.reshape(t, cfg.num_heads, cfg.head_dim)
             k = k.reshape(t, cfg.num_kv_heads, cfg.head_dim)
             v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
-            q, k = ops.rotary(q, k, batch.positions, self.cos_sin)
-            ops.write_kv(layer_kv, k, v, batch.slot_mapping)
+            # rotary, then k and v into the pool (one launch on CUDA)
+            q = ops.rotary_write_kv(q, k, v, batch.positions, self.cos_sin, layer_kv,
+                                    batch.slot_mapping)
             attn = ops.paged_attention(q, layer_kv, batch, self.scale)
-            h = F.linear(attn.reshape(t, cfg.q_size), layer["o"])
+            h = ops.linear(attn.reshape(t, cfg.q_size), layer["o"])
             x, residual = ops.add_rms_norm(h, residual, layer["mlp_norm"], cfg.rms_norm_eps)
-            h = F.linear(ops.silu_mul(F.linear(x, layer["gate_up"])), layer["down"])
+            h = ops.linear(ops.silu_mul(ops.linear(x, layer["gate_up"])), layer["down"])
         if logits_indices is None:
             logits_indices = (batch.cu_q_lens[1:] - 1).long()
         h = h[logits_indices] + residual[logits_indices]
         h = ops.rms_norm(h, self.norm, cfg.rms_norm_eps)
-        return F.linear(h, self.lm_head).float()
+        return ops.linear(h, self.lm_head).float()

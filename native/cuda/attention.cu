@@ -19,7 +19,12 @@
 // INT8 KV is widened to 16-bit exactly (|q| <= 127) in registers; the
 // per-token K scale multiplies S, the V scale is folded into P.
 // Split-K: with several partitions each block writes its normalized partial
-// output, max and sum; attention_reduce_kernel combines them.
+// output, max and sum. The last block to finish a (tile, KV head) combines
+// them (an atomic counter per (tile, KV head), reset by that block, so a
+// replayed graph finds it zero again); without a counter buffer,
+// attention_reduce_kernel does it in a second launch. Either way the
+// partitions are combined in index order: the result does not depend on
+// which block finishes last.
 #include "common.cuh"
 
 namespace turbomq {
@@ -50,6 +55,7 @@ struct Params {
   int partition_size, num_parts;
   float* part_o;
   float* part_ml;
+  int* counters;           // [num_tiles * nkv] or null: combine in a second kernel
   std::int64_t part_rows;  // num_tiles * nkv * num_parts * kRows: offset of the sums in part_ml
 };
 
@@ -149,6 +155,67 @@ __device__ __forceinline__ void widen(const uint4& raw, std::uint32_t* pairs) {
     } else {
       pairs[i] = w[i];
     }
+  }
+}
+
+// Combines the partitions of one (tile, KV head): partition q is weighted by
+// sum_q * 2^(max_q - M); partitions with no visible key (sum 0) are skipped.
+// Loads go through L2 (__ldcg): in the fused path other blocks wrote them.
+template <typename T, int D>
+__device__ __forceinline__ void combine_partitions(const Params& p, const Tile& tile, int tile_idx,
+                                                   int kvh) {
+  __shared__ float s_max[kRows], s_inv[kRows];
+  const int parts = (tile.kmax + p.partition_size - 1) / p.partition_size;
+  const std::int64_t prow0 =
+      (static_cast<std::int64_t>(tile_idx) * p.num_kv_heads + kvh) * p.num_parts * kRows;
+  const float* ml = p.part_ml;
+  const float* ll = p.part_ml + p.part_rows;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  // Row r's largest max over partitions with keys, and 1 / total weight.
+  for (int r = warp; r < tile.rows; r += kWarps) {
+    float mx = -INFINITY;
+    for (int q = lane; q < parts; q += 32) {
+      const std::int64_t prow = prow0 + q * kRows + r;
+      const float lq = __ldcg(ll + prow), mq = __ldcg(ml + prow);
+      if (lq > 0.0f) mx = fmaxf(mx, mq);
+    }
+    mx = warp_max(mx);
+    float sum = 0.0f;
+    for (int q = lane; q < parts; q += 32) {
+      const std::int64_t prow = prow0 + q * kRows + r;
+      const float lq = __ldcg(ll + prow), mq = __ldcg(ml + prow);
+      if (lq > 0.0f) sum += lq * exp2f(mq - mx);
+    }
+    sum = warp_sum(sum);
+    if (lane == 0) {
+      s_max[r] = mx;
+      s_inv[r] = sum > 0.0f ? 1.0f / sum : 0.0f;
+    }
+  }
+  __syncthreads();
+  constexpr int kVec = D / 4;
+  for (int idx = threadIdx.x; idx < tile.rows * kVec; idx += kThreads) {
+    const int r = idx / kVec, c4 = idx % kVec;
+    const float mx = s_max[r];
+    float o[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll 4
+    for (int q = 0; q < parts; ++q) {
+      const std::int64_t prow = prow0 + q * kRows + r;
+      const float lq = __ldcg(ll + prow), mq = __ldcg(ml + prow);
+      const float4 v = __ldcg(reinterpret_cast<const float4*>(p.part_o + prow * D) + c4);
+      const float wt = lq > 0.0f ? lq * exp2f(mq - mx) : 0.0f;
+      o[0] += wt * v.x;
+      o[1] += wt * v.y;
+      o[2] += wt * v.z;
+      o[3] += wt * v.w;
+    }
+    const float inv = s_inv[r];
+    const int qi = (tile.row0 + r) / p.group;
+    const int head = kvh * p.group + (tile.row0 + r) % p.group;
+    T* out = static_cast<T*>(p.out) +
+             (static_cast<std::int64_t>(tile.q_start + qi) * p.num_heads + head) * D + 4 * c4;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) out[e] = from_float<T>(o[e] * inv);
   }
 }
 
@@ -385,40 +452,33 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const Params 
       }
     }
   }
+
+  // Fused combine: the last partition block of this (tile, KV head) to
+  // arrive reads every partial (made visible by the fence) and writes out.
+  if (p.num_parts > 1 && p.counters != nullptr) {
+    __shared__ int s_last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      const int parts = (tile.kmax + p.partition_size - 1) / p.partition_size;
+      int* counter = p.counters + static_cast<std::int64_t>(blockIdx.x) * p.num_kv_heads + kvh;
+      const int last = atomicAdd(counter, 1) + 1 == parts;
+      if (last) atomicExch(counter, 0);  // ready for the next launch
+      s_last = last;
+    }
+    __syncthreads();
+    if (s_last) {
+      __threadfence();
+      combine_partitions<T, D>(p, tile, blockIdx.x, kvh);
+    }
+  }
 }
 
-// One block per (tile, KV head): weights each partition by sum * 2^(max - M).
+// One block per (tile, KV head): the combine as a second launch.
 template <typename T, int D>
 __global__ void __launch_bounds__(kThreads) attention_reduce_kernel(const Params p) {
-  const int kvh = blockIdx.y;
   const Tile tile = load_tile(p, blockIdx.x);
-  const int parts = (tile.kmax + p.partition_size - 1) / p.partition_size;
-  const std::int64_t prow0 =
-      (static_cast<std::int64_t>(blockIdx.x) * p.num_kv_heads + kvh) * p.num_parts * kRows;
-  for (int idx = threadIdx.x; idx < tile.rows * D; idx += kThreads) {
-    const int r = idx / D, dim = idx % D;
-    float mx = -INFINITY;
-    for (int q = 0; q < parts; ++q) {
-      if (p.part_ml[p.part_rows + prow0 + q * kRows + r] > 0.0f) {
-        mx = fmaxf(mx, p.part_ml[prow0 + q * kRows + r]);
-      }
-    }
-    float sum = 0.0f, o = 0.0f;
-    for (int q = 0; q < parts; ++q) {
-      const std::int64_t prow = prow0 + q * kRows + r;
-      const float lq = p.part_ml[p.part_rows + prow];
-      if (lq > 0.0f) {
-        const float wt = lq * exp2f(p.part_ml[prow] - mx);
-        sum += wt;
-        o += wt * p.part_o[prow * D + dim];
-      }
-    }
-    o = sum > 0.0f ? o / sum : 0.0f;
-    const int qi = (tile.row0 + r) / p.group;
-    const int head = kvh * p.group + (tile.row0 + r) % p.group;
-    static_cast<T*>(p.out)[(static_cast<std::int64_t>(tile.q_start + qi) * p.num_heads + head) * D +
-                           dim] = from_float<T>(o);
-  }
+  combine_partitions<T, D>(p, tile, blockIdx.x, blockIdx.y);
 }
 
 template <typename T, bool kInt8, int D>
@@ -426,7 +486,7 @@ void launch(const Params& p, int num_tiles, cudaStream_t stream) {
   const dim3 grid(num_tiles, p.num_kv_heads, p.num_parts);
   paged_attention_kernel<T, kInt8, D><<<grid, kThreads, 0, stream>>>(p);
   check_launch("paged_attention_kernel");
-  if (p.num_parts > 1) {
+  if (p.num_parts > 1 && p.counters == nullptr) {
     attention_reduce_kernel<T, D><<<dim3(num_tiles, p.num_kv_heads), kThreads, 0, stream>>>(p);
     check_launch("attention_reduce_kernel");
   }
@@ -487,6 +547,7 @@ void paged_attention(const AttentionArgs& a) {
   p.num_parts = a.num_parts;
   p.part_o = reinterpret_cast<float*>(a.part_o);
   p.part_ml = reinterpret_cast<float*>(a.part_ml);
+  p.counters = a.num_parts > 1 ? reinterpret_cast<int*>(a.counters) : nullptr;
   p.part_rows = static_cast<std::int64_t>(a.num_tiles) * a.num_kv_heads * a.num_parts * kRows;
   require(a.num_kv_heads <= 65535 && a.num_parts <= 65535, "paged_attention: grid too large");
   cudaStream_t s = as_stream(a.stream);

@@ -19,6 +19,7 @@ void bind_cuda(py::module_& parent) {
       .value("I8", DType::kI8);
   m.attr("ATTENTION_TILE_ROWS") = cuda::kAttentionTileRows;
   m.attr("ATTENTION_PARTITION_ALIGN") = cuda::kAttentionPartitionAlign;
+  m.attr("GEMV_MAX_ROWS") = cuda::kGemvMaxRows;
 
   m.def("rms_norm", &cuda::rms_norm, py::arg("out"), py::arg("x"), py::arg("x_stride"),
         py::arg("weight"), py::arg("rows"), py::arg("hidden"), py::arg("eps"), py::arg("dtype"),
@@ -38,6 +39,15 @@ void bind_cuda(py::module_& parent) {
         py::arg("v"), py::arg("v_stride_tok"), py::arg("v_stride_head"), py::arg("slot_mapping"),
         py::arg("tokens"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("block_size"),
         py::arg("dtype"), py::arg("cache_dtype"), py::arg("stream"));
+  m.def("rotary_write_kv", &cuda::rotary_write_kv, py::arg("q_out"), py::arg("q"),
+        py::arg("q_stride_tok"), py::arg("q_stride_head"), py::arg("k"), py::arg("k_stride_tok"),
+        py::arg("k_stride_head"), py::arg("v"), py::arg("v_stride_tok"), py::arg("v_stride_head"),
+        py::arg("positions"), py::arg("cos_sin"), py::arg("slot_mapping"), py::arg("k_cache"),
+        py::arg("v_cache"), py::arg("k_scale"), py::arg("v_scale"), py::arg("tokens"),
+        py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("block_size"),
+        py::arg("dtype"), py::arg("cache_dtype"), py::arg("stream"));
+  m.def("gemv", &cuda::gemv, py::arg("y"), py::arg("x"), py::arg("w"), py::arg("rows"),
+        py::arg("n_out"), py::arg("k_in"), py::arg("dtype"), py::arg("stream"));
 
   m.def(
       "paged_attention",
@@ -47,7 +57,8 @@ void bind_cuda(py::module_& parent) {
          int max_blocks, std::uintptr_t cu_q_lens, std::uintptr_t context_lens,
          std::uintptr_t tiles, int num_tiles, int num_heads, int num_kv_heads, int head_dim,
          int block_size, float scale, int partition_size, int num_parts, std::uintptr_t part_o,
-         std::uintptr_t part_ml, DType dtype, DType cache_dtype, std::uintptr_t stream) {
+         std::uintptr_t part_ml, DType dtype, DType cache_dtype, std::uintptr_t stream,
+         std::uintptr_t counters) {
         cuda::AttentionArgs a;
         a.out = out;
         a.q = q;
@@ -75,6 +86,7 @@ void bind_cuda(py::module_& parent) {
         a.dtype = dtype;
         a.cache_dtype = cache_dtype;
         a.stream = stream;
+        a.counters = counters;
         cuda::paged_attention(a);
       },
       py::arg("out"), py::arg("q"), py::arg("q_stride_tok"), py::arg("q_stride_head"),
@@ -83,7 +95,7 @@ void bind_cuda(py::module_& parent) {
       py::arg("context_lens"), py::arg("tiles"), py::arg("num_tiles"), py::arg("num_heads"),
       py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("block_size"), py::arg("scale"),
       py::arg("partition_size"), py::arg("num_parts"), py::arg("part_o"), py::arg("part_ml"),
-      py::arg("dtype"), py::arg("cache_dtype"), py::arg("stream"));
+      py::arg("dtype"), py::arg("cache_dtype"), py::arg("stream"), py::arg("counters") = 0);
 }
 
 }  // namespace turbomq

@@ -21,9 +21,12 @@ __device__ __forceinline__ float block_sum(float x) {
 }
 
 // One block per row. With kAdd, sum = x + residual (rounded to T, as the
-// reference adds in T) is stored first and normalized from there; each thread
-// re-reads only what it wrote.
-template <typename T, bool kAdd>
+// reference adds in T) is stored first and normalized from there. With
+// kVec > 0 (rows of at most kVec * 8 * blockDim elements) each thread keeps
+// its kVec vectors of the row in registers and loads its weights before the
+// reduction, so the row costs one round trip to memory; kVec == 0 loops over
+// any width and re-reads (each thread only what it wrote).
+template <typename T, bool kAdd, int kVec>
 __global__ void __launch_bounds__(kNormThreads)
 rms_norm_kernel(T* __restrict__ out, T* __restrict__ sum, const T* __restrict__ x,
                 std::int64_t x_stride, const T* __restrict__ residual, const T* __restrict__ weight,
@@ -32,28 +35,79 @@ rms_norm_kernel(T* __restrict__ out, T* __restrict__ sum, const T* __restrict__ 
   const T* xr = x + row * x_stride;
   const int nvec = hidden / 8;
   float ss = 0.0f;
-  for (int i = threadIdx.x; i < nvec; i += blockDim.x) {
-    float f[8];
-    unpack8<T>(*reinterpret_cast<const uint4*>(xr + 8 * i), f);
-    if (kAdd) {
-      float r[8];
-      unpack8<T>(*reinterpret_cast<const uint4*>(residual + row * hidden + 8 * i), r);
+  if constexpr (kVec > 0) {
+    float f[kVec][8];
+    uint4 wraw[kVec];
 #pragma unroll
-      for (int e = 0; e < 8; ++e) f[e] = round_to<T>(f[e] + r[e]);
-      *reinterpret_cast<uint4*>(sum + row * hidden + 8 * i) = pack8<T>(f);
+    for (int v = 0; v < kVec; ++v) {
+      const int i = threadIdx.x + v * kNormThreads;
+      if (i < nvec) {
+        wraw[v] = __ldg(reinterpret_cast<const uint4*>(weight) + i);
+        unpack8<T>(*reinterpret_cast<const uint4*>(xr + 8 * i), f[v]);
+        if (kAdd) {
+          float r[8];
+          unpack8<T>(*reinterpret_cast<const uint4*>(residual + row * hidden + 8 * i), r);
+#pragma unroll
+          for (int e = 0; e < 8; ++e) f[v][e] = round_to<T>(f[v][e] + r[e]);
+          *reinterpret_cast<uint4*>(sum + row * hidden + 8 * i) = pack8<T>(f[v]);
+        }
+#pragma unroll
+        for (int e = 0; e < 8; ++e) ss += f[v][e] * f[v][e];
+      }
     }
+    const float inv = rsqrtf(block_sum(ss) / static_cast<float>(hidden) + eps);
 #pragma unroll
-    for (int e = 0; e < 8; ++e) ss += f[e] * f[e];
+    for (int v = 0; v < kVec; ++v) {
+      const int i = threadIdx.x + v * kNormThreads;
+      if (i < nvec) {
+        float w[8];
+        unpack8<T>(wraw[v], w);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) f[v][e] = w[e] * round_to<T>(f[v][e] * inv);
+        *reinterpret_cast<uint4*>(out + row * hidden + 8 * i) = pack8<T>(f[v]);
+      }
+    }
+  } else {
+    for (int i = threadIdx.x; i < nvec; i += blockDim.x) {
+      float f[8];
+      unpack8<T>(*reinterpret_cast<const uint4*>(xr + 8 * i), f);
+      if (kAdd) {
+        float r[8];
+        unpack8<T>(*reinterpret_cast<const uint4*>(residual + row * hidden + 8 * i), r);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) f[e] = round_to<T>(f[e] + r[e]);
+        *reinterpret_cast<uint4*>(sum + row * hidden + 8 * i) = pack8<T>(f);
+      }
+#pragma unroll
+      for (int e = 0; e < 8; ++e) ss += f[e] * f[e];
+    }
+    const float inv = rsqrtf(block_sum(ss) / static_cast<float>(hidden) + eps);
+    const T* src = kAdd ? sum + row * hidden : xr;
+    for (int i = threadIdx.x; i < nvec; i += blockDim.x) {
+      float f[8], w[8];
+      unpack8<T>(*reinterpret_cast<const uint4*>(src + 8 * i), f);
+      unpack8<T>(*reinterpret_cast<const uint4*>(weight + 8 * i), w);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) f[e] = w[e] * round_to<T>(f[e] * inv);
+      *reinterpret_cast<uint4*>(out + row * hidden + 8 * i) = pack8<T>(f);
+    }
   }
-  const float inv = rsqrtf(block_sum(ss) / static_cast<float>(hidden) + eps);
-  const T* src = kAdd ? sum + row * hidden : xr;
-  for (int i = threadIdx.x; i < nvec; i += blockDim.x) {
-    float f[8], w[8];
-    unpack8<T>(*reinterpret_cast<const uint4*>(src + 8 * i), f);
-    unpack8<T>(*reinterpret_cast<const uint4*>(weight + 8 * i), w);
-#pragma unroll
-    for (int e = 0; e < 8; ++e) f[e] = w[e] * round_to<T>(f[e] * inv);
-    *reinterpret_cast<uint4*>(out + row * hidden + 8 * i) = pack8<T>(f);
+}
+
+// Launches the register variant for rows of up to 4 vectors per thread.
+template <typename T, bool kAdd>
+void launch_norm(T* out, T* sum, const T* x, std::int64_t x_stride, const T* residual,
+                 const T* weight, std::int64_t rows, int hidden, float eps, cudaStream_t s) {
+  const int per_thread = ceil_div(hidden / 8, kNormThreads);
+  const unsigned grid = static_cast<unsigned>(rows);
+  if (per_thread <= 1) {
+    rms_norm_kernel<T, kAdd, 1><<<grid, kNormThreads, 0, s>>>(out, sum, x, x_stride, residual, weight, hidden, eps);
+  } else if (per_thread <= 2) {
+    rms_norm_kernel<T, kAdd, 2><<<grid, kNormThreads, 0, s>>>(out, sum, x, x_stride, residual, weight, hidden, eps);
+  } else if (per_thread <= 4) {
+    rms_norm_kernel<T, kAdd, 4><<<grid, kNormThreads, 0, s>>>(out, sum, x, x_stride, residual, weight, hidden, eps);
+  } else {
+    rms_norm_kernel<T, kAdd, 0><<<grid, kNormThreads, 0, s>>>(out, sum, x, x_stride, residual, weight, hidden, eps);
   }
 }
 
@@ -150,9 +204,9 @@ void rms_norm(std::uintptr_t out, std::uintptr_t x, std::int64_t x_stride, std::
   if (rows == 0) return;
   dispatch_16bit(dtype, [&](auto tag) {
     using T = decltype(tag);
-    rms_norm_kernel<T, false><<<static_cast<unsigned>(rows), kNormThreads, 0, as_stream(stream)>>>(
-        reinterpret_cast<T*>(out), nullptr, reinterpret_cast<const T*>(x), x_stride, nullptr,
-        reinterpret_cast<const T*>(weight), static_cast<int>(hidden), eps);
+    launch_norm<T, false>(reinterpret_cast<T*>(out), nullptr, reinterpret_cast<const T*>(x),
+                          x_stride, nullptr, reinterpret_cast<const T*>(weight), rows,
+                          static_cast<int>(hidden), eps, as_stream(stream));
   });
   check_launch("rms_norm_kernel");
 }
@@ -165,10 +219,10 @@ void add_rms_norm(std::uintptr_t out, std::uintptr_t sum, std::uintptr_t x, std:
   if (rows == 0) return;
   dispatch_16bit(dtype, [&](auto tag) {
     using T = decltype(tag);
-    rms_norm_kernel<T, true><<<static_cast<unsigned>(rows), kNormThreads, 0, as_stream(stream)>>>(
-        reinterpret_cast<T*>(out), reinterpret_cast<T*>(sum), reinterpret_cast<const T*>(x), hidden,
-        reinterpret_cast<const T*>(residual), reinterpret_cast<const T*>(weight),
-        static_cast<int>(hidden), eps);
+    launch_norm<T, true>(reinterpret_cast<T*>(out), reinterpret_cast<T*>(sum),
+                         reinterpret_cast<const T*>(x), hidden, reinterpret_cast<const T*>(residual),
+                         reinterpret_cast<const T*>(weight), rows, static_cast<int>(hidden), eps,
+                         as_stream(stream));
   });
   check_launch("add_rms_norm_kernel");
 }

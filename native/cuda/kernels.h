@@ -47,14 +47,38 @@ void write_kv(std::uintptr_t k_cache, std::uintptr_t v_cache, std::uintptr_t k_s
               int num_kv_heads, int head_dim, int block_size, DType dtype, DType cache_dtype,
               std::uintptr_t stream);
 
+// Rotary on q and k, then k and v scattered into the paged cache, in one
+// launch: q_out = rotary(q) (contiguous [T, nh, d]); the rotated k (rounded to
+// the dtype, as rotary's output) and v go to the cache exactly as write_kv
+// writes them (INT8: quantized per (token, head), scales stored). Equals
+// rotary followed by write_kv. head_dim / 16 must be a power of two <= 32.
+void rotary_write_kv(std::uintptr_t q_out, std::uintptr_t q, std::int64_t q_stride_tok,
+                     std::int64_t q_stride_head, std::uintptr_t k, std::int64_t k_stride_tok,
+                     std::int64_t k_stride_head, std::uintptr_t v, std::int64_t v_stride_tok,
+                     std::int64_t v_stride_head, std::uintptr_t positions, std::uintptr_t cos_sin,
+                     std::uintptr_t slot_mapping, std::uintptr_t k_cache, std::uintptr_t v_cache,
+                     std::uintptr_t k_scale, std::uintptr_t v_scale, std::int64_t tokens,
+                     int num_heads, int num_kv_heads, int head_dim, int block_size, DType dtype,
+                     DType cache_dtype, std::uintptr_t stream);
+
+// y [rows, N] = x [rows, K] @ w[N, K]^T for 1 <= rows <= kGemvMaxRows (decode
+// at small batch): fp32 accumulation, one rounding to the dtype. x, w, y
+// contiguous and 16-byte aligned, K a multiple of 8.
+constexpr int kGemvMaxRows = 8;
+void gemv(std::uintptr_t y, std::uintptr_t x, std::uintptr_t w, std::int64_t rows,
+          std::int64_t n_out, std::int64_t k_in, DType dtype, std::uintptr_t stream);
+
 // Paged attention over block tables, decode and prefill-with-history alike.
 // A "tile" is up to 16 rows (query token, query head) of one sequence sharing
 // one KV head. tiles: int32 [num_tiles, 2] = (sequence, row tile), or 0 when
 // every sequence has one query and heads-per-KV-head <= 16 (tile = sequence).
 // With num_parts > 1 the context is split into partitions of partition_size
 // keys; partials go to part_o [num_tiles, nkv, num_parts, 16, d] and
-// part_ml [2, num_tiles, nkv, num_parts, 16] (float32), then a reduce kernel
-// writes out.
+// part_ml [2, num_tiles, nkv, num_parts, 16] (float32) and are combined
+// into out. With `counters` (int32 [num_tiles * nkv], all zero) the last
+// block to finish each (tile, KV head) combines them in the same launch and
+// sets its counter back to zero; without, a second kernel does. Launches that
+// share a counter buffer must not run concurrently.
 struct AttentionArgs {
   std::uintptr_t out = 0;  // [T, nh, d] contiguous, q's dtype
   std::uintptr_t q = 0;
@@ -70,6 +94,7 @@ struct AttentionArgs {
   float scale = 1.0f;
   int partition_size = 0, num_parts = 1;
   std::uintptr_t part_o = 0, part_ml = 0;
+  std::uintptr_t counters = 0;  // int32 [num_tiles * nkv], zero: fuse the combine
   DType dtype = DType::kBF16, cache_dtype = DType::kBF16;
   std::uintptr_t stream = 0;
 };

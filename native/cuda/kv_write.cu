@@ -1,6 +1,7 @@
 // write_kv: scatter new tokens' K/V into the paged cache, quantizing to INT8
 // on the fly when the cache is int8 (symmetric, one float32 scale per token
-// and KV head, as reference.quantize_int8).
+// and KV head, as reference.quantize_int8). rotary_write_kv: rotary on q and
+// k fused with that write (one launch instead of two).
 #include "common.cuh"
 
 namespace turbomq {
@@ -73,6 +74,106 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) write_kv_kernel(const Wri
   }
 }
 
+struct RopeWriteArgs {
+  void* q_out;
+  const void* q;
+  std::int64_t q_stride_tok, q_stride_head;
+  const void* k;
+  std::int64_t k_stride_tok, k_stride_head;
+  const void* v;
+  std::int64_t v_stride_tok, v_stride_head;
+  const std::int64_t* positions;
+  const float* cos_sin;
+  const std::int64_t* slot_mapping;
+  void* k_cache;
+  void* v_cache;
+  float* k_scale;
+  float* v_scale;
+  std::int64_t items;  // tokens * (nh + 2 nkv) rows
+  int num_heads, num_kv_heads, head_dim, block_size, lanes;  // lanes = head_dim / 16
+};
+
+// A group of `lanes` = d/16 threads per (token, row); rows are the q heads,
+// then the k heads, then the v heads. Thread `sub` of a group owns dims
+// [8 sub, 8 sub + 8) and the same past d/2: the rotation pairs (j, j + d/2).
+// q and k are rotated as rotary_kernel does and rounded to T (k is then
+// stored from those values, as write_kv would store rotary's output); v is
+// copied. INT8: the group's amax (shuffles within the group), then
+// write_kv's scale and rounding.
+template <typename T, bool kInt8>
+__global__ void __launch_bounds__(128) rotary_write_kv_kernel(const RopeWriteArgs a) {
+  const std::int64_t tid = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
+  const int L = a.lanes;
+  const std::int64_t item = tid / L;
+  if (item >= a.items) return;  // whole groups: items are contiguous
+  const int sub = static_cast<int>(tid % L);
+  const int rows = a.num_heads + 2 * a.num_kv_heads;
+  const std::int64_t tok = item / rows;
+  const int row = static_cast<int>(item % rows);
+  const int d = a.head_dim, half = d / 2, j0 = 8 * sub;
+  const int kind = row < a.num_heads ? 0 : (row < a.num_heads + a.num_kv_heads ? 1 : 2);
+  const int head = kind == 0 ? row : (kind == 1 ? row - a.num_heads : row - a.num_heads - a.num_kv_heads);
+  const T* src = kind == 0   ? static_cast<const T*>(a.q) + tok * a.q_stride_tok + head * a.q_stride_head
+                 : kind == 1 ? static_cast<const T*>(a.k) + tok * a.k_stride_tok + head * a.k_stride_head
+                             : static_cast<const T*>(a.v) + tok * a.v_stride_tok + head * a.v_stride_head;
+  float lo[8], hi[8];
+  unpack8<T>(*reinterpret_cast<const uint4*>(src + j0), lo);
+  unpack8<T>(*reinterpret_cast<const uint4*>(src + half + j0), hi);
+  if (kind != 2) {
+    const float* cs = a.cos_sin + a.positions[tok] * d;
+    float c[8], s[8];
+    const float4* cv = reinterpret_cast<const float4*>(cs + j0);
+    const float4* sv = reinterpret_cast<const float4*>(cs + half + j0);
+    *reinterpret_cast<float4*>(c) = __ldg(cv);
+    *reinterpret_cast<float4*>(c + 4) = __ldg(cv + 1);
+    *reinterpret_cast<float4*>(s) = __ldg(sv);
+    *reinterpret_cast<float4*>(s + 4) = __ldg(sv + 1);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      const float x0 = lo[e], x1 = hi[e];
+      lo[e] = round_to<T>(__fadd_rn(__fmul_rn(x0, c[e]), __fmul_rn(-x1, s[e])));
+      hi[e] = round_to<T>(__fadd_rn(__fmul_rn(x1, c[e]), __fmul_rn(x0, s[e])));
+    }
+  }
+  if (kind == 0) {
+    T* dst = static_cast<T*>(a.q_out) + (tok * a.num_heads + head) * d;
+    *reinterpret_cast<uint4*>(dst + j0) = pack8<T>(lo);
+    *reinterpret_cast<uint4*>(dst + half + j0) = pack8<T>(hi);
+    return;
+  }
+  const std::int64_t slot = a.slot_mapping[tok];
+  if (slot < 0) return;  // the whole group shares the token
+  const std::int64_t block = slot / a.block_size;
+  const int offset = static_cast<int>(slot % a.block_size);
+  const std::int64_t crow = (block * a.num_kv_heads + head) * a.block_size + offset;
+  const bool is_v = kind == 2;
+  if constexpr (!kInt8) {
+    T* dst = static_cast<T*>(is_v ? a.v_cache : a.k_cache) + crow * d;
+    *reinterpret_cast<uint4*>(dst + j0) = pack8<T>(lo);
+    *reinterpret_cast<uint4*>(dst + half + j0) = pack8<T>(hi);
+  } else {
+    float amax = 0.0f;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) amax = fmaxf(amax, fmaxf(fabsf(lo[e]), fabsf(hi[e])));
+    const int lane = threadIdx.x % 32;
+    const unsigned mask = L == 32 ? 0xffffffffu : ((1u << L) - 1u) << (lane & ~(L - 1));
+    for (int o = L / 2; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(mask, amax, o));
+    const float scale = fmaxf(amax, 1e-8f) / 127.0f;
+    std::uint32_t ql[2] = {0u, 0u}, qh[2] = {0u, 0u};
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      const float vl = fminf(fmaxf(rintf(lo[e] / scale), -127.0f), 127.0f);
+      const float vh = fminf(fmaxf(rintf(hi[e] / scale), -127.0f), 127.0f);
+      ql[e / 4] |= (static_cast<std::uint32_t>(static_cast<int>(vl)) & 0xffu) << (8 * (e % 4));
+      qh[e / 4] |= (static_cast<std::uint32_t>(static_cast<int>(vh)) & 0xffu) << (8 * (e % 4));
+    }
+    std::int8_t* dst = static_cast<std::int8_t*>(is_v ? a.v_cache : a.k_cache) + crow * d;
+    *reinterpret_cast<uint2*>(dst + j0) = make_uint2(ql[0], ql[1]);
+    *reinterpret_cast<uint2*>(dst + half + j0) = make_uint2(qh[0], qh[1]);
+    if (sub == 0) (is_v ? a.v_scale : a.k_scale)[crow] = scale;
+  }
+}
+
 }  // namespace
 
 void write_kv(std::uintptr_t k_cache, std::uintptr_t v_cache, std::uintptr_t k_scale,
@@ -112,6 +213,60 @@ void write_kv(std::uintptr_t k_cache, std::uintptr_t v_cache, std::uintptr_t k_s
     else write_kv_kernel<__nv_bfloat16, false><<<blocks, kThreads, 0, s>>>(a);
   }
   check_launch("write_kv_kernel");
+}
+
+}  // namespace cuda
+}  // namespace turbomq
+
+namespace turbomq {
+namespace cuda {
+
+void rotary_write_kv(std::uintptr_t q_out, std::uintptr_t q, std::int64_t q_stride_tok,
+                     std::int64_t q_stride_head, std::uintptr_t k, std::int64_t k_stride_tok,
+                     std::int64_t k_stride_head, std::uintptr_t v, std::int64_t v_stride_tok,
+                     std::int64_t v_stride_head, std::uintptr_t positions, std::uintptr_t cos_sin,
+                     std::uintptr_t slot_mapping, std::uintptr_t k_cache, std::uintptr_t v_cache,
+                     std::uintptr_t k_scale, std::uintptr_t v_scale, std::int64_t tokens,
+                     int num_heads, int num_kv_heads, int head_dim, int block_size, DType dtype,
+                     DType cache_dtype, std::uintptr_t stream) {
+  require(dtype == DType::kF16 || dtype == DType::kBF16,
+          "rotary_write_kv: q/k/v must be float16 or bfloat16");
+  const bool int8 = cache_dtype == DType::kI8;
+  require(int8 || cache_dtype == dtype, "rotary_write_kv: a 16-bit cache must have k/v's dtype");
+  const int lanes = head_dim / 16;
+  require(head_dim % 16 == 0 && lanes >= 1 && lanes <= 32 && (lanes & (lanes - 1)) == 0,
+          "rotary_write_kv: head_dim / 16 must be a power of two <= 32");
+  require(q % 16 == 0 && k % 16 == 0 && v % 16 == 0 && q_out % 16 == 0,
+          "rotary_write_kv: q, k, v, q_out must be 16-byte aligned");
+  require(q_stride_tok % 8 == 0 && q_stride_head % 8 == 0 && k_stride_tok % 8 == 0 &&
+              k_stride_head % 8 == 0 && v_stride_tok % 8 == 0 && v_stride_head % 8 == 0,
+          "rotary_write_kv: strides must be multiples of 8 elements");
+  require(block_size > 0 && num_heads > 0 && num_kv_heads > 0, "rotary_write_kv: bad sizes");
+  const std::int64_t items = tokens * (num_heads + 2 * num_kv_heads);
+  if (items == 0) return;
+  RopeWriteArgs a{reinterpret_cast<void*>(q_out), reinterpret_cast<const void*>(q), q_stride_tok,
+                  q_stride_head, reinterpret_cast<const void*>(k), k_stride_tok, k_stride_head,
+                  reinterpret_cast<const void*>(v), v_stride_tok, v_stride_head,
+                  reinterpret_cast<const std::int64_t*>(positions),
+                  reinterpret_cast<const float*>(cos_sin),
+                  reinterpret_cast<const std::int64_t*>(slot_mapping),
+                  reinterpret_cast<void*>(k_cache), reinterpret_cast<void*>(v_cache),
+                  reinterpret_cast<float*>(k_scale), reinterpret_cast<float*>(v_scale), items,
+                  num_heads, num_kv_heads, head_dim, block_size, lanes};
+  constexpr int kThreads = 128;
+  const std::int64_t threads = items * lanes;
+  const std::int64_t blocks = (threads + kThreads - 1) / kThreads;
+  require(blocks < (1LL << 31), "rotary_write_kv: too many tokens");
+  cudaStream_t s = as_stream(stream);
+  const unsigned grid = static_cast<unsigned>(blocks);
+  if (dtype == DType::kF16) {
+    if (int8) rotary_write_kv_kernel<__half, true><<<grid, kThreads, 0, s>>>(a);
+    else rotary_write_kv_kernel<__half, false><<<grid, kThreads, 0, s>>>(a);
+  } else {
+    if (int8) rotary_write_kv_kernel<__nv_bfloat16, true><<<grid, kThreads, 0, s>>>(a);
+    else rotary_write_kv_kernel<__nv_bfloat16, false><<<grid, kThreads, 0, s>>>(a);
+  }
+  check_launch("rotary_write_kv_kernel");
 }
 
 }  // namespace cuda

@@ -164,6 +164,92 @@ def test_write_kv(dtype, quantized, nkv, d, bs, gen):
     torch.testing.assert_close(kv.v_scale, expect.v_scale, rtol=1e-6, atol=0)
 
 
+# --------------------------------------------------------- rotary_write_kv
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("quantized", [False, True])
+@pytest.mark.parametrize("tokens,nh,nkv,d,bs", [(1, 32, 8, 128, 64), (37, 8, 2, 64, 16),
+                                                  (5, 4, 1, 128, 32), (3, 6, 3, 32, 16)])
+def test_rotary_write_kv(dtype, quantized, tokens, nh, nkv, d, bs, gen):
+    """Fused rotary + write_kv: equal to the CUDA rotary then write_kv (same
+    math), and to the reference within its tolerances."""
+    num_blocks = 9
+    kv = make_pool(num_blocks, nkv, bs, d, torch.int8 if quantized else dtype, gen)
+    composed, expect = clone_kv(kv), clone_kv(kv)
+    qkv = randn((tokens, (nh + 2 * nkv) * d), dtype, gen, 2.0)
+    q, k, v = qkv.split([nh * d, nkv * d, nkv * d], dim=-1)
+    q, k, v = q.reshape(tokens, nh, d), k.reshape(tokens, nkv, d), v.reshape(tokens, nkv, d)
+    table = cos_sin_table(4096, d)
+    positions = torch.randint(0, 4096, (tokens,), generator=gen, device=DEV)
+    slots = torch.randperm(num_blocks * bs, generator=gen, device=DEV)[:tokens]
+    q_out = poisoned((tokens, nh, d), dtype)
+    got_q = cuda_ops.rotary_write_kv(q, k, v, positions, table, kv, slots, q_out=q_out)
+    assert got_q is q_out
+    cq, ck = cuda_ops.rotary(q, k, positions, table)
+    cuda_ops.write_kv(composed, ck, v, slots)
+    eq = ref.rotary_write_kv(q, k, v, positions, table, expect, slots)
+    torch.cuda.synchronize()
+    assert torch.equal(got_q, cq)
+    assert rel_err(got_q, eq) < TOL[dtype]
+    for got, same in ((kv.k, composed.k), (kv.v, composed.v)):
+        assert torch.equal(got, same)
+    if quantized:
+        assert torch.equal(kv.k_scale, composed.k_scale) and torch.equal(kv.v_scale, composed.v_scale)
+        for got, want in ((kv.k, expect.k), (kv.v, expect.v)):
+            diff = (got.int() - want.int()).abs()
+            assert diff.max().item() <= 1 and (diff > 0).float().mean().item() < 1e-3
+        torch.testing.assert_close(kv.k_scale, expect.k_scale, rtol=1e-6, atol=0)
+    else:
+        assert torch.equal(kv.k, expect.k) and torch.equal(kv.v, expect.v)
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_rotary_write_kv_skips_negative_slots(quantized, gen):
+    dtype, tokens, nh, nkv, d, bs, num_blocks = torch.bfloat16, 6, 8, 2, 128, 16, 4
+    kv = make_pool(num_blocks, nkv, bs, d, torch.int8 if quantized else dtype, gen)
+    composed = clone_kv(kv)
+    qkv = randn((tokens, (nh + 2 * nkv) * d), dtype, gen)
+    q, k, v = qkv.split([nh * d, nkv * d, nkv * d], dim=-1)
+    q, k, v = q.reshape(tokens, nh, d), k.reshape(tokens, nkv, d), v.reshape(tokens, nkv, d)
+    table = cos_sin_table(512, d)
+    positions = torch.randint(0, 512, (tokens,), generator=gen, device=DEV)
+    slots = torch.randperm(num_blocks * bs, generator=gen, device=DEV)[:tokens]
+    slots[::2] = -1
+    got_q = cuda_ops.rotary_write_kv(q, k, v, positions, table, kv, slots)
+    cq, ck = cuda_ops.rotary(q, k, positions, table)
+    cuda_ops.write_kv(composed, ck, v, slots)
+    assert torch.equal(got_q, cq)
+    assert torch.equal(kv.k, composed.k) and torch.equal(kv.v, composed.v)
+    if quantized:
+        assert torch.equal(kv.k_scale, composed.k_scale) and torch.equal(kv.v_scale, composed.v_scale)
+
+
+# ------------------------------------------------------------------ gemv
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("n,k", [(4096, 4096), (1000, 14336), (37, 8), (515, 1032)])
+def test_gemv(dtype, rows, n, k, gen):
+    x = randn((rows, k), dtype, gen)
+    w = randn((n, k), dtype, gen, 0.05)
+    out = poisoned((rows, n), dtype)
+    got = cuda_ops.linear(x, w, out=out)
+    assert got is out
+    expect = (x.double() @ w.double().T)
+    assert rel_err(got, expect) < TOL[dtype]
+    # A row's result does not depend on the other rows (graph buckets pad the batch).
+    single = cuda_ops.linear(x[rows - 1:], w)
+    assert torch.equal(single[0], got[rows - 1])
+
+
+def test_linear_uses_cublas_for_many_rows(gen):
+    x = randn((9, 256), torch.bfloat16, gen)
+    w = randn((64, 256), torch.bfloat16, gen)
+    assert torch.equal(cuda_ops.linear(x, w), torch.nn.functional.linear(x, w))
+    x3 = randn((2, 3, 256), torch.bfloat16, gen)  # 6 rows as [2, 3, K]: the GEMV, shaped back
+    got = cuda_ops.linear(x3, w)
+    assert got.shape == (2, 3, 64)
+    assert rel_err(got, x3.double() @ w.double().T) < TOL[torch.bfloat16]
+
+
 # -------------------------------------------------------- paged attention
 def make_attention_case(q_lens, ctx_lens, nkv, group, d, bs, dtype, kv_dtype, gen, spare=3):
     """Random q and pool; each sequence's blocks drawn at random from the pool
@@ -183,11 +269,12 @@ def make_attention_case(q_lens, ctx_lens, nkv, group, d, bs, dtype, kv_dtype, ge
     return q, kv, batch
 
 
-def check_attention(q, kv, batch, dtype, partition_size=None):
+def check_attention(q, kv, batch, dtype, partition_size=None, fused_combine=None):
     d = q.shape[-1]
     scale = d ** -0.5
     out = poisoned(q.shape, dtype)
-    got = cuda_ops.paged_attention(q, kv, batch, scale, out=out, partition_size=partition_size)
+    got = cuda_ops.paged_attention(q, kv, batch, scale, out=out, partition_size=partition_size,
+                                   fused_combine=fused_combine)
     assert got is out
     expect = ref.paged_attention(q, kv, batch, scale)
     err = rel_err(got, expect)
@@ -219,6 +306,43 @@ def test_decode_attention_long_split(dtype, kv_kind, gen):
     q, kv, batch = make_attention_case([1, 1], ctx, 8, 4, 128, 64, dtype,
                                        dtype if kv_kind == "same" else torch.int8, gen)
     check_attention(q, kv, batch, dtype)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("kv_kind", KV_KINDS)
+def test_split_k_combine_in_kernel_and_in_second_launch(fused, kv_kind, gen):
+    """Split-K forced (64-key partitions) with the combine fused into the
+    attention kernel or in the reduce kernel; prefill rows too."""
+    dtype = torch.bfloat16
+    q, kv, batch = make_attention_case([1, 5, 1, 1], [1, 300, 777, 64], 8, 4, 128, 64, dtype,
+                                       dtype if kv_kind == "same" else torch.int8, gen)
+    for _ in range(2):  # the counters must be back at zero for the second call
+        check_attention(q, kv, batch, dtype, partition_size=64, fused_combine=fused)
+
+
+@pytest.mark.parametrize("kv_kind", KV_KINDS)
+def test_split_k_graph_replay_with_shorter_contexts(kv_kind, gen):
+    """As the decode graphs use it: partitions planned for a context bucket,
+    captured once, replayed with shorter contexts (empty partitions)."""
+    dtype, nkv, group, d, bs = torch.bfloat16, 8, 4, 128, 64
+    q, kv, big = make_attention_case([1, 1, 1], [1024, 1024, 1024], nkv, group, d, bs, dtype,
+                                     dtype if kv_kind == "same" else torch.int8, gen)
+    tables = big.block_tables.cpu().numpy()
+    scale = d ** -0.5
+    out = poisoned(q.shape, dtype)
+    cuda_ops.paged_attention(q, kv, big, scale, out=out)  # warm-up: counters exist
+    _, parts = cuda_ops.plan_partitions(3 * nkv, 1024, cuda_ops._sm_count(DEV))
+    assert parts > 1
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        cuda_ops.paged_attention(q, kv, big, scale, out=out)
+    for ctx in ([300, 40, 1], [1024, 1, 129], [65, 700, 1000], [300, 40, 1]):
+        big.context_lens.copy_(torch.tensor(ctx, dtype=torch.int32))
+        out.fill_(float("nan"))
+        graph.replay()
+        actual = AttentionBatch.build([1, 1, 1], ctx, tables, bs, device=DEV)
+        err = rel_err(out, ref.paged_attention(q, kv, actual, scale))
+        assert err < TOL[dtype], f"contexts {ctx}: relative error {err:.2e}"
 
 
 @pytest.mark.parametrize("kv_kind", KV_KINDS)

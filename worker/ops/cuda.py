@@ -11,8 +11,11 @@ from __future__ import annotations
 
 from typing import Optional
 
+import os
+
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from ..kv_cache import LayerKV
 from . import reference
@@ -36,6 +39,18 @@ _k = getattr(_native_module, "cuda", None)
 BLOCKS_PER_SM = 6
 MIN_PARTITION = 512
 MIN_PARTITION_TINY = 128
+
+# Split-K attention combines its partitions inside the attention kernel (the
+# last block of each (tile, KV head) to finish), not in a second launch.
+FUSED_SPLITK_COMBINE = True
+
+# rotary_write_kv runs as one kernel (False: rotary then write_kv, for A/B runs).
+FUSED_ROTARY_WRITE_KV = True
+
+# linear() runs the native GEMV for inputs of at most this many rows (decode
+# at small batch; 0 turns it off) and cuBLAS (F.linear) otherwise.
+# TURBOMQ_GEMV_MAX_ROWS overrides it.
+GEMV_MAX_ROWS = int(os.environ.get("TURBOMQ_GEMV_MAX_ROWS", "8"))
 
 
 def unavailable_reason() -> Optional[str]:
@@ -204,6 +219,76 @@ def write_kv(kv: LayerKV, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.
                     _DTYPES[cache_dtype], _stream(k))
 
 
+# ---------------------------------------------------- rotary + write_kv
+def rotary_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                    cos_sin: torch.Tensor, kv: LayerKV, slot_mapping: torch.Tensor, *,
+                    q_out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """As reference.rotary_write_kv, in one launch; inputs that kernel does not
+    cover go through rotary() then write_kv()."""
+    t, nh, d = q.shape
+    nkv = k.shape[1]
+    cache_dtype = kv.k.dtype
+    lanes = d // 16
+    ok = (FUSED_ROTARY_WRITE_KV and _native_ok(q, k, v, positions, cos_sin, slot_mapping, kv.k)
+          and q.dtype in _HALF
+          and k.dtype == q.dtype and v.dtype == q.dtype and k.shape == v.shape
+          and k.shape[0] == t and k.shape[2] == d and cos_sin.dtype == torch.float32
+          and cos_sin.shape[-1] == d and d % 16 == 0 and 1 <= lanes <= 32
+          and lanes & (lanes - 1) == 0 and t > 0
+          and kv.k.is_contiguous() and kv.v.is_contiguous()
+          and q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1
+          and _aligned(q, q.stride(0), q.stride(1)) and _aligned(k, k.stride(0), k.stride(1))
+          and _aligned(v, v.stride(0), v.stride(1)))
+    if ok and cache_dtype == torch.int8:
+        ok = kv.k_scale.is_contiguous() and kv.v_scale.is_contiguous()
+    elif ok:
+        ok = cache_dtype == q.dtype
+    if not ok:
+        q, k = rotary(q, k, positions, cos_sin)
+        write_kv(kv, k, v, slot_mapping)
+        return q
+    positions = positions.to(torch.int64).contiguous()
+    slots = slot_mapping.to(torch.int64).contiguous()
+    cos_sin = cos_sin.contiguous()
+    if q_out is None:
+        q_out = torch.empty((t, nh, d), dtype=q.dtype, device=q.device)
+    quant = cache_dtype == torch.int8
+    with _on_device(q):
+        _k.rotary_write_kv(q_out.data_ptr(), q.data_ptr(), q.stride(0), q.stride(1),
+                           k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0),
+                           v.stride(1), positions.data_ptr(), cos_sin.data_ptr(), slots.data_ptr(),
+                           kv.k.data_ptr(), kv.v.data_ptr(),
+                           kv.k_scale.data_ptr() if quant else 0,
+                           kv.v_scale.data_ptr() if quant else 0, t, nh, nkv, d, kv.block_size,
+                           _DTYPES[q.dtype], _DTYPES[cache_dtype], _stream(q))
+    return q_out
+
+
+# -------------------------------------------------------------- linear
+def linear(x: torch.Tensor, weight: torch.Tensor, *,
+           out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x @ weight.T. At most GEMV_MAX_ROWS rows of 16-bit data go to the
+    native GEMV (weight read once at near copy bandwidth); the rest to
+    F.linear (cuBLAS)."""
+    k_in = x.shape[-1]
+    rows = x.numel() // k_in if k_in else 0
+    max_rows = min(GEMV_MAX_ROWS, _k.GEMV_MAX_ROWS) if _k is not None else 0
+    if not (0 < rows <= max_rows and _native_ok(x, weight) and x.dtype in _HALF
+            and weight.dtype == x.dtype and weight.dim() == 2 and weight.shape[1] == k_in
+            and k_in % 8 == 0 and weight.is_contiguous() and weight.data_ptr() % 16 == 0):
+        return F.linear(x, weight)
+    n_out = weight.shape[0]
+    x2 = x.reshape(rows, k_in)
+    if not x2.is_contiguous() or x2.data_ptr() % 16 != 0:
+        x2 = x2.clone(memory_format=torch.contiguous_format)  # fresh, so aligned
+    if out is None:
+        out = torch.empty((*x.shape[:-1], n_out), dtype=x.dtype, device=x.device)
+    with _on_device(x):
+        _k.gemv(out.data_ptr(), x2.data_ptr(), weight.data_ptr(), rows, n_out, k_in,
+                _DTYPES[x.dtype], _stream(x))
+    return out
+
+
 # ----------------------------------------------------------- attention
 _SM_COUNT: dict[int, int] = {}
 
@@ -213,6 +298,27 @@ def _sm_count(device: torch.device) -> int:
     if index not in _SM_COUNT:
         _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
     return _SM_COUNT[index]
+
+
+_COUNTERS: dict[int, torch.Tensor] = {}
+_RETIRED: list[torch.Tensor] = []  # outgrown counter buffers that captured graphs may still use
+
+
+def _counters(device: torch.device, n: int) -> Optional[torch.Tensor]:
+    """A zeroed int32 buffer of >= n counters for the fused split-K combine
+    (one per device; every kernel leaves its counters at zero). None while a
+    graph is being captured and the buffer would have to grow: a capture
+    cannot zero new memory, so that launch combines in a second kernel."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    buf = _COUNTERS.get(index)
+    if buf is None or buf.numel() < n:
+        if torch.cuda.is_current_stream_capturing():
+            return None
+        if buf is not None:
+            _RETIRED.append(buf)
+        buf = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device)
+        _COUNTERS[index] = buf
+    return buf
 
 
 def _tiles(batch: AttentionBatch, group: int, device: torch.device):
@@ -261,9 +367,12 @@ def _attention_native(q: torch.Tensor, kv: LayerKV) -> bool:
 
 def paged_attention(q: torch.Tensor, kv: LayerKV, batch: AttentionBatch, scale: float, *,
                     out: Optional[torch.Tensor] = None,
-                    partition_size: Optional[int] = None) -> torch.Tensor:
+                    partition_size: Optional[int] = None,
+                    fused_combine: Optional[bool] = None) -> torch.Tensor:
     """As reference.paged_attention. `partition_size` forces the split-K
-    partition (a multiple of 64 keys); by default it is planned from the grid."""
+    partition (a multiple of 64 keys); by default it is planned from the grid.
+    `fused_combine` (default FUSED_SPLITK_COMBINE) combines the partitions in
+    the attention kernel itself rather than in a second launch."""
     if not _attention_native(q, kv) or q.shape[0] == 0:
         return reference.paged_attention(q, kv, batch, scale)
     t, nh, d = q.shape
@@ -279,8 +388,11 @@ def paged_attention(q: torch.Tensor, kv: LayerKV, batch: AttentionBatch, scale: 
         part_ml = torch.empty(2 * num_tiles * nkv * parts * rows, dtype=torch.float32,
                               device=q.device)
         part_ptrs = (part_o.data_ptr(), part_ml.data_ptr())
+        fused = FUSED_SPLITK_COMBINE if fused_combine is None else fused_combine
+        counters = _counters(q.device, num_tiles * nkv) if fused else None
     else:
         part_ptrs = (0, 0)
+        counters = None
     if out is None:
         out = torch.empty((t, nh, d), dtype=q.dtype, device=q.device)
     tables = batch.block_tables
@@ -295,5 +407,5 @@ def paged_attention(q: torch.Tensor, kv: LayerKV, batch: AttentionBatch, scale: 
             batch.cu_q_lens.data_ptr(), batch.context_lens.data_ptr(),
             0 if tiles is None else tiles.data_ptr(), num_tiles, nh, nkv, d, kv.block_size,
             float(scale), part_size, parts, part_ptrs[0], part_ptrs[1], _DTYPES[q.dtype],
-            _DTYPES[kv.k.dtype], _stream(q))
+            _DTYPES[kv.k.dtype], _stream(q), 0 if counters is None else counters.data_ptr())
     return out

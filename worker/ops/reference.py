@@ -41,6 +41,19 @@ def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
     return rot(q), rot(k)
 
 
+def rotary_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                    cos_sin: torch.Tensor, kv: LayerKV, slot_mapping: torch.Tensor) -> torch.Tensor:
+    """rotary on q and k, then write_kv of the rotated k and v; returns the rotated q."""
+    q, k = rotary(q, k, positions, cos_sin)
+    write_kv(kv, k, v, slot_mapping)
+    return q
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight.T (weight [out, in]), as F.linear."""
+    return torch.nn.functional.linear(x, weight)
+
+
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up

@@ -332,6 +332,11 @@ def test_every_panel_query_returns_data_from_a_live_stack(tmp_path, redis_server
         for expr in alert_exprs():  # alerts need not fire, but must evaluate
             prom.query(expr)
 
+        # Every catalogue series is exposed by the running broker and workers.
+        scraped = set(prom.api("label/__name__/values"))
+        missing = sorted(set(series_names()) - scraped)
+        assert not missing, f"catalogue series no process exposes: {missing}"
+
         # The variable lists both workers; one worker's value selects only it.
         for dashboard in load_dashboards().values():
             (var,) = [v for v in dashboard["templating"]["list"] if v["name"] == "worker"]

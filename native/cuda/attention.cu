@@ -229,6 +229,7 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const Params 
   constexpr int kElem = kInt8 ? 1 : 2;
   static_assert(kJ >= 1 && D % (4 * kChunk) == 0, "head_dim must be a multiple of 4 chunks");
 
+  launch_dependents();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane >> 2, c = lane & 3;
   const int kvh = blockIdx.y, part = blockIdx.z;
@@ -477,6 +478,7 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const Params 
 // One block per (tile, KV head): the combine as a second launch.
 template <typename T, int D>
 __global__ void __launch_bounds__(kThreads) attention_reduce_kernel(const Params p) {
+  launch_dependents();
   const Tile tile = load_tile(p, blockIdx.x);
   combine_partitions<T, D>(p, tile, blockIdx.x, blockIdx.y);
 }

@@ -66,6 +66,19 @@ __device__ __forceinline__ uint4 pack8(const float* f) {
   return v;
 }
 
+// Programmatic dependent launch (sm_90). A kernel calls launch_dependents
+// early so that the next kernel, if launched with programmatic stream
+// serialization (the GEMV), can start and fetch what does not depend on this
+// one (its weights) while this one runs. That next kernel calls
+// grid_dependency_wait before it reads anything this one wrote. Both are
+// no-ops when no such launch is involved.
+__device__ __forceinline__ void launch_dependents() {
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+__device__ __forceinline__ void grid_dependency_wait() {
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+}
+
 __device__ __forceinline__ float warp_sum(float x) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);

@@ -46,6 +46,8 @@ void bind_cuda(py::module_& parent) {
         py::arg("v_cache"), py::arg("k_scale"), py::arg("v_scale"), py::arg("tokens"),
         py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("block_size"),
         py::arg("dtype"), py::arg("cache_dtype"), py::arg("stream"));
+  m.def("set_programmatic_launch", &cuda::set_programmatic_launch, py::arg("on"));
+  m.def("programmatic_launch", &cuda::programmatic_launch);
   m.def("gemv", &cuda::gemv, py::arg("y"), py::arg("x"), py::arg("w"), py::arg("rows"),
         py::arg("n_out"), py::arg("k_in"), py::arg("dtype"), py::arg("stream"));
 

@@ -31,6 +31,7 @@ __global__ void __launch_bounds__(kNormThreads)
 rms_norm_kernel(T* __restrict__ out, T* __restrict__ sum, const T* __restrict__ x,
                 std::int64_t x_stride, const T* __restrict__ residual, const T* __restrict__ weight,
                 int hidden, float eps) {
+  launch_dependents();
   const std::int64_t row = blockIdx.x;
   const T* xr = x + row * x_stride;
   const int nvec = hidden / 8;

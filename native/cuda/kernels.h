@@ -64,7 +64,13 @@ void rotary_write_kv(std::uintptr_t q_out, std::uintptr_t q, std::int64_t q_stri
 // y [rows, N] = x [rows, K] @ w[N, K]^T for 1 <= rows <= kGemvMaxRows (decode
 // at small batch): fp32 accumulation, one rounding to the dtype. x, w, y
 // contiguous and 16-byte aligned, K a multiple of 8.
+// With programmatic launch on (the default), the GEMV is launched with
+// programmatic stream serialization: it starts while the previous kernel
+// runs (the other kernels here signal it early), issues its first weight
+// loads, and waits for that kernel before reading x.
 constexpr int kGemvMaxRows = 8;
+void set_programmatic_launch(bool on);
+bool programmatic_launch();
 void gemv(std::uintptr_t y, std::uintptr_t x, std::uintptr_t w, std::int64_t rows,
           std::int64_t n_out, std::int64_t k_in, DType dtype, std::uintptr_t stream);
 

@@ -102,6 +102,7 @@ struct RopeWriteArgs {
 // write_kv's scale and rounding.
 template <typename T, bool kInt8>
 __global__ void __launch_bounds__(128) rotary_write_kv_kernel(const RopeWriteArgs a) {
+  launch_dependents();
   const std::int64_t tid = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
   const int L = a.lanes;
   const std::int64_t item = tid / L;

@@ -487,3 +487,39 @@ def test_chat_command_keeps_a_session(cluster, client_for):
     assert "[new session]" in out.stdout and "error" not in out.stdout
     m = svc.metrics("w0")
     assert m[("turbomq_session_cache_hits_total",)] == 1  # the second turn reused its KV
+
+
+def test_counters_follow_hits_evictions_and_misses(cluster, client_for):
+    """A resident session's next turn raises hits; pressure that evicts it
+    raises evictions; its next turn then raises misses (and re-prefills)."""
+    svc = cluster()
+    client = client_for(svc.front)
+    # 12 blocks of 16 tokens: about two sessions of ~80 tokens fit
+    svc.start_worker("w0", extra=("--block-size", "16", "--num-kv-blocks", "12"))
+    svc.wait_ready("w0")
+    wait_until(lambda: client.health()["workers"] == 1, 30, "the worker registered")
+
+    def turn(session: str, text: str) -> None:
+        client.generate(prompt=text, session_id=session, max_tokens=16, **GREEDY)
+
+    def count(name: str) -> float:
+        return svc.metrics("w0")[(name,)]
+
+    # metrics are synced after each step, so a final can beat them: wait for them
+    def reaches(name: str, value: float, what: str) -> None:
+        wait_until(lambda: count(name) >= value, 5, what)
+
+    turn("a", "The quick brown fox jumps over the lazy dog and runs far away. " * 2)
+    hits = count("turbomq_session_cache_hits_total")
+    turn("a", "Then it rested.")
+    reaches("turbomq_session_cache_hits_total", hits + 1, "a hit for the resident session")
+
+    evictions = count("turbomq_kv_evictions_total")
+    misses = count("turbomq_session_cache_misses_total")
+    for other in ("b", "c"):
+        turn(other, "Once upon a time there was a small village by the sea. " * 2)
+    reaches("turbomq_kv_evictions_total", evictions + 1, "an eviction under pressure")
+    turn("a", "And then?")
+    reaches("turbomq_session_cache_misses_total", misses + 1, "a miss for the evicted session")
+    assert count("turbomq_session_cache_misses_total") == misses + 1
+    assert count("turbomq_reprefilled_tokens_total") > 0

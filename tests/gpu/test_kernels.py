@@ -231,23 +231,62 @@ def test_gemv(dtype, rows, n, k, gen):
     x = randn((rows, k), dtype, gen)
     w = randn((n, k), dtype, gen, 0.05)
     out = poisoned((rows, n), dtype)
-    got = cuda_ops.linear(x, w, out=out)
+    got = cuda_ops.linear(x, w, out=out, native=True)
     assert got is out
     expect = (x.double() @ w.double().T)
     assert rel_err(got, expect) < TOL[dtype]
     # A row's result does not depend on the other rows (graph buckets pad the batch).
-    single = cuda_ops.linear(x[rows - 1:], w)
+    single = cuda_ops.linear(x[rows - 1:], w, native=True)
     assert torch.equal(single[0], got[rows - 1])
 
 
-def test_linear_uses_cublas_for_many_rows(gen):
+@pytest.mark.parametrize("programmatic", [True, False])
+def test_gemv_after_norm_in_graph(programmatic, gen):
+    """The GEMV starts while the norm that writes its input still runs
+    (programmatic launch) and must wait for it: eager and graph replays with
+    fresh inputs, against the reference."""
+    dtype, h = torch.bfloat16, 4096
+    k = cuda_ops._k
+    before = k.programmatic_launch()
+    k.set_programmatic_launch(programmatic)
+    try:
+        w1, w2 = randn((h,), dtype, gen), randn((h,), dtype, gen)
+        p1, p2 = randn((6144, h), dtype, gen, 0.02), randn((h, 6144), dtype, gen, 0.02)
+        x = randn((2, h), dtype, gen)
+
+        def step():
+            a = cuda_ops.linear(cuda_ops.rms_norm(x, w1, 1e-5), p1, native=True)
+            b = cuda_ops.rms_norm(a[:, :h], w2, 1e-5)
+            return cuda_ops.linear(torch.cat([b, b[:, :6144 - h]], dim=1), p2, native=True)
+
+        def expect():
+            a = ref.linear(ref.rms_norm(x, w1, 1e-5), p1)
+            b = ref.rms_norm(a[:, :h], w2, 1e-5)
+            return ref.linear(torch.cat([b, b[:, :6144 - h]], dim=1), p2)
+
+        assert rel_err(step(), expect()) < TOL[dtype]
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = step()
+        for _ in range(3):
+            x.copy_(randn((2, h), dtype, gen))
+            out.fill_(float("nan"))
+            graph.replay()
+            assert rel_err(out, expect()) < TOL[dtype]
+    finally:
+        k.set_programmatic_launch(before)
+
+
+def test_linear_policy(gen):
     x = randn((9, 256), torch.bfloat16, gen)
     w = randn((64, 256), torch.bfloat16, gen)
-    assert torch.equal(cuda_ops.linear(x, w), torch.nn.functional.linear(x, w))
+    assert torch.equal(cuda_ops.linear(x, w), torch.nn.functional.linear(x, w))  # cuBLAS
     x3 = randn((2, 3, 256), torch.bfloat16, gen)  # 6 rows as [2, 3, K]: the GEMV, shaped back
-    got = cuda_ops.linear(x3, w)
+    got = cuda_ops.linear(x3, w, native=True)
     assert got.shape == (2, 3, 64)
     assert rel_err(got, x3.double() @ w.double().T) < TOL[torch.bfloat16]
+    x1 = randn((1, 256), torch.bfloat16, gen)
+    assert rel_err(cuda_ops.linear(x1, w), x1.double() @ w.double().T) < TOL[torch.bfloat16]
 
 
 # -------------------------------------------------------- paged attention

@@ -47,10 +47,15 @@ FUSED_SPLITK_COMBINE = True
 # rotary_write_kv runs as one kernel (False: rotary then write_kv, for A/B runs).
 FUSED_ROTARY_WRITE_KV = True
 
-# linear() runs the native GEMV for inputs of at most this many rows (decode
-# at small batch; 0 turns it off) and cuBLAS (F.linear) otherwise.
-# TURBOMQ_GEMV_MAX_ROWS overrides it.
-GEMV_MAX_ROWS = int(os.environ.get("TURBOMQ_GEMV_MAX_ROWS", "8"))
+# linear() runs the native GEMV for inputs of at most GEMV_MAX_ROWS rows
+# (decode at small batch; 0 turns it off) and rows of at most GEMV_MAX_K
+# inputs, cuBLAS (F.linear) otherwise. Measured on an H100 (docs/kernels.md):
+# at 1-4 rows the GEMV matches or beats cuBLAS on the 4096-wide projections
+# and the LM head, and it starts loading weights while the previous kernel
+# runs; cuBLAS's split-K wins on the 14336-long rows of the down projection,
+# and at 8 rows. TURBOMQ_GEMV_MAX_ROWS / TURBOMQ_GEMV_MAX_K override.
+GEMV_MAX_ROWS = int(os.environ.get("TURBOMQ_GEMV_MAX_ROWS", "4"))
+GEMV_MAX_K = int(os.environ.get("TURBOMQ_GEMV_MAX_K", "8192"))
 
 
 def unavailable_reason() -> Optional[str]:
@@ -69,6 +74,8 @@ def available() -> bool:
 
 
 if _k is not None:
+    # Programmatic dependent launch of the GEMV (TURBOMQ_PDL=0 turns it off).
+    _k.set_programmatic_launch(os.environ.get("TURBOMQ_PDL", "1") != "0")
     _DTYPES = {torch.float16: _k.DType.F16, torch.bfloat16: _k.DType.BF16,
                torch.int8: _k.DType.I8, torch.float32: _k.DType.F32}
 else:
@@ -266,13 +273,19 @@ def rotary_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
 
 # -------------------------------------------------------------- linear
 def linear(x: torch.Tensor, weight: torch.Tensor, *,
-           out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """x @ weight.T. At most GEMV_MAX_ROWS rows of 16-bit data go to the
-    native GEMV (weight read once at near copy bandwidth); the rest to
-    F.linear (cuBLAS)."""
+           out: Optional[torch.Tensor] = None, native: Optional[bool] = None) -> torch.Tensor:
+    """x @ weight.T. At most GEMV_MAX_ROWS rows of 16-bit data, rows of at
+    most GEMV_MAX_K, go to the native GEMV (weight read once at near copy
+    bandwidth); the rest to F.linear (cuBLAS). native=True takes the GEMV up
+    to its own limit (8 rows, any K) whatever the policy; False never."""
     k_in = x.shape[-1]
     rows = x.numel() // k_in if k_in else 0
-    max_rows = min(GEMV_MAX_ROWS, _k.GEMV_MAX_ROWS) if _k is not None else 0
+    if _k is None or native is False:
+        max_rows = 0
+    elif native:
+        max_rows = _k.GEMV_MAX_ROWS
+    else:
+        max_rows = min(GEMV_MAX_ROWS, _k.GEMV_MAX_ROWS) if k_in <= GEMV_MAX_K else 0
     if not (0 < rows <= max_rows and _native_ok(x, weight) and x.dtype in _HALF
             and weight.dtype == x.dtype and weight.dim() == 2 and weight.shape[1] == k_in
             and k_in % 8 == 0 and weight.is_contiguous() and weight.data_ptr() % 16 == 0):

@@ -50,12 +50,30 @@ class DecodeGraphs:
         self.scratch_slot = scratch_block * self.block_size
         dev = model.device
         n = self.buckets[-1]
-        self.input_ids = torch.zeros(n, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(n, dtype=torch.long, device=dev)
-        self.slot_mapping = torch.full((n,), self.scratch_slot, dtype=torch.long, device=dev)
-        self.context_lens = torch.ones(n, dtype=torch.int32, device=dev)
-        self.block_tables = torch.full((n, self.width), -1, dtype=torch.int32, device=dev)
-        self.block_tables[:, 0] = scratch_block
+        # All per-step inputs live in one byte buffer, mirrored by a pinned
+        # host buffer: a step is one asynchronous host-to-device copy.
+        #   int64: input_ids, positions, slot_mapping   [3, n]
+        #   int32: context_lens [n], block_tables [n, width]
+        ctx_count = -(-n // 4) * 4  # keeps the block tables 16-byte aligned
+        i64_bytes, i32_count = 3 * n * 8, ctx_count + n * self.width
+        nbytes = i64_bytes + 4 * i32_count
+        self._host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        self._device = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+        host = self._host.numpy()
+        self._h_i64 = host[:i64_bytes].view(np.int64).reshape(3, n)
+        self._h_ctx = host[i64_bytes:].view(np.int32)[:n]
+        self._h_tables = host[i64_bytes:].view(np.int32)[ctx_count:].reshape(n, self.width)
+        d_i64 = self._device[:i64_bytes].view(torch.int64).view(3, n)
+        d_i32 = self._device[i64_bytes:].view(torch.int32)
+        self.input_ids, self.positions, self.slot_mapping = d_i64[0], d_i64[1], d_i64[2]
+        self.context_lens = d_i32[:n]
+        self.block_tables = d_i32[ctx_count:].view(n, self.width)
+        self._h_i64[:] = 0
+        self._h_i64[2] = self.scratch_slot
+        self._h_ctx[:] = 1
+        self._h_tables[:] = -1
+        self._h_tables[:, 0] = scratch_block
+        self._device.copy_(self._host)
         self.q_lens = torch.ones(n, dtype=torch.int32, device=dev)
         self.cu_q_lens = torch.arange(n + 1, dtype=torch.int32, device=dev)
         # every tensor a graph reads must outlive the graph: the rows whose
@@ -83,22 +101,22 @@ class DecodeGraphs:
         bucket = self.buckets[bisect.bisect_left(self.buckets, b)]
         ctx = np.asarray(context_lens, dtype=np.int64)
         pos = ctx - 1
-        tables = np.empty((bucket, self.width), dtype=np.int32)
+        ids, positions, slots = self._h_i64[0], self._h_i64[1], self._h_i64[2]
+        tables = self._h_tables
         cols = min(block_tables.shape[1], self.width)
         tables[:b, :cols] = block_tables[:, :cols]
         tables[:b, cols:] = -1
-        tables[b:] = self._scratch_table_row
-        slots = tables[np.arange(b), pos // self.block_size].astype(np.int64) * self.block_size \
+        tables[b:bucket] = self._scratch_table_row
+        ids[:b] = input_ids
+        positions[:b] = pos
+        slots[:b] = tables[np.arange(b), pos // self.block_size].astype(np.int64) * self.block_size \
             + pos % self.block_size
-        pad = bucket - b
-        self.input_ids[:bucket].copy_(torch.tensor(input_ids + [0] * pad), non_blocking=True)
-        self.positions[:bucket].copy_(torch.from_numpy(np.concatenate([pos, np.zeros(pad, np.int64)])),
-                                      non_blocking=True)
-        self.slot_mapping[:bucket].copy_(torch.from_numpy(
-            np.concatenate([slots, np.full(pad, self.scratch_slot, np.int64)])), non_blocking=True)
-        self.context_lens[:bucket].copy_(torch.from_numpy(
-            np.concatenate([ctx, np.ones(pad, np.int64)]).astype(np.int32)), non_blocking=True)
-        self.block_tables[:bucket].copy_(torch.from_numpy(tables), non_blocking=True)
+        self._h_ctx[:b] = ctx
+        # padding rows write and read the scratch block
+        ids[b:bucket], positions[b:bucket], slots[b:bucket] = 0, 0, self.scratch_slot
+        self._h_ctx[b:bucket] = 1
+        # the previous step's copy is done: the engine read its sampled tokens
+        self._device.copy_(self._host, non_blocking=True)
         key = (bucket, self.context_bucket(int(ctx.max())))
         entry = self._graphs.get(key)
         if entry is None:

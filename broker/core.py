@@ -7,7 +7,9 @@ docs/broker.md describes routing, heartbeats, re-dispatch and cancellation.
 from __future__ import annotations
 
 import logging
+import math
 import time
+import types
 from collections import deque
 from typing import Optional
 
@@ -23,11 +25,26 @@ from .state import BrokerStats, Pending, PendingEnd, WorkerState
 log = logging.getLogger("turbomq.broker")
 
 DRAIN_BATCH = 256  # messages taken from one socket before looking at the other
+_POLLIN = int(zmq.POLLIN)
+_EVENTS = int(zmq.EVENTS)
+_RCVMORE = int(zmq.RCVMORE)
+_NOBLOCK = int(zmq.NOBLOCK)
 _HEARTBEAT_FRAME = P.pack(P.heartbeat())
 _RECONNECT_FRAME = P.pack(P.reconnect())
 # With ROUTER_MANDATORY an unroutable id fails on the first frame, so a
 # message is never half sent.
 _SNDMORE_NOBLOCK = zmq.SNDMORE | zmq.NOBLOCK
+_decode_client = P.decode_client_request
+_decode_worker = P.decode_worker_message
+
+
+def _raw_send(sock: zmq.Socket):
+    """`sock.send` without pyzmq's Python-level wrapper (routing_id/group/copy
+    handling the broker never uses): the Cython method bound to the socket."""
+    base = getattr(zmq.backend, "Socket", None)
+    if base is not None and isinstance(sock, base) and hasattr(base, "send"):
+        return types.MethodType(base.send, sock)
+    return sock.send
 
 
 class Broker:
@@ -54,8 +71,9 @@ class Broker:
         # Optional metrics: .tick(broker) each tick, .finished(seconds) per request.
         self.observer = None
         self._packb = msgpack.Packer(use_bin_type=True).pack
-        self._front_send = self.front.send
-        self._back_send = self.back.send
+        self._front_send = _raw_send(self.front)
+        self._back_send = _raw_send(self.back)
+        self._silence_s = config.heartbeat_interval * config.liveness  # a worker's allowance
 
     def _router(self, endpoint: str) -> zmq.Socket:
         sock = self._ctx.socket(zmq.ROUTER)
@@ -78,20 +96,22 @@ class Broker:
         self.back.close(0)
 
     def run(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self.front, zmq.POLLIN)
-        poller.register(self.back, zmq.POLLIN)
+        # zmq_poll on a fixed item list: what zmq.Poller.poll does, minus its wrapper.
+        items = [(self.front, _POLLIN), (self.back, _POLLIN)]
+        poll, monotonic = zmq.zmq_poll, time.monotonic
         interval = self.config.heartbeat_interval
-        next_tick = time.monotonic() + interval
-        front, back = self.front, self.back
+        next_tick = monotonic() + interval
+        back = self.back
+        drain, on_worker, on_client = self._drain, self._on_worker_frames, self._on_client_frames
         while not self._stopping:
-            wait_ms = max(0.0, (next_tick - time.monotonic()) * 1000.0)
-            for sock, _ in poller.poll(wait_ms):
+            # Rounded up: a timeout truncated to 0 ms would spin until the tick.
+            wait_ms = math.ceil((next_tick - monotonic()) * 1000.0)
+            for sock, _ in poll(items, wait_ms if wait_ms > 0 else 0):
                 if sock is back:
-                    self._drain(back, self._on_worker_frames)
+                    drain(back, on_worker)
                 else:
-                    self._drain(front, self._on_client_frames)
-            now = time.monotonic()
+                    drain(sock, on_client)
+            now = monotonic()
             if now >= next_tick:
                 self._tick(now)
                 next_tick = now + interval
@@ -99,21 +119,29 @@ class Broker:
     def _drain(self, sock: zmq.Socket, handle) -> None:
         # Two plain recv calls are cheaper than recv_multipart for the usual
         # [routing id, payload]; extra frames are collected only when present.
-        recv, more = sock.recv, sock.getsockopt
+        # Polling said a message is there; after it, EVENTS (one C call) says
+        # whether to go on, so a lone message (the common case at low load)
+        # costs no zmq.Again exception.
+        # A message of other than two frames reaches `handle` as (ident, [frames after it]).
+        recv, opt = sock.recv, sock.getsockopt
         stats = self.stats
-        for _ in range(DRAIN_BATCH):
+        for i in range(DRAIN_BATCH):
             try:
-                ident = recv(zmq.NOBLOCK)
+                ident = recv(_NOBLOCK)
             except zmq.Again:
                 return
-            frames = [ident, recv()]
-            while more(zmq.RCVMORE):
-                frames.append(recv())
+            payload = recv()
+            if opt(_RCVMORE):
+                payload = [payload]
+                while opt(_RCVMORE):
+                    payload.append(recv())
             stats.messages_in += 1
             try:
-                handle(frames)
+                handle(ident, payload)
             except Exception:  # a bug in one message must not stop the broker
                 log.exception("failed to handle a message")
+            if i == 0 and not opt(_EVENTS) & _POLLIN:
+                return
 
     # ------------------------------------------------------------ sending
     def _send_client(self, client: bytes, msg: dict) -> bool:
@@ -147,23 +175,23 @@ class Broker:
         self._send_client(client, P.error(request_id, code, message))
 
     # ------------------------------------------------------------ clients
-    def _on_client_frames(self, frames: list) -> None:
-        client = frames[0]
-        self.client_seen[client] = time.monotonic()
-        if len(frames) != 2:
+    def _on_client_frames(self, client: bytes, frame) -> None:
+        now = time.monotonic()
+        self.client_seen[client] = now
+        if type(frame) is not bytes:  # more than one frame after the routing id
             self.stats.frames_rejected[Code.BAD_FRAME] += 1
             self._reply_error(client, None, Code.BAD_FRAME,
-                              f"expected one frame per message, got {len(frames) - 1}")
+                              f"expected one frame per message, got {len(frame)}")
             return
         try:
-            msg = P.decode_client_request(frames[1], self.limits)
+            msg = _decode_client(frame, self.limits)
         except ProtocolError as e:
             self.stats.frames_rejected[e.code] += 1
             self._reply_error(client, e.request_id, e.code, e.message)
             return
         kind = msg["kind"]
-        if kind == Kind.GENERATE:
-            self._on_generate(client, msg)
+        if kind == "generate":
+            self._on_generate(client, msg, now)
         elif kind == Kind.PING:
             pass
         elif kind == Kind.CANCEL:
@@ -182,11 +210,12 @@ class Broker:
         self.stats.outcomes[code] += 1
         self._reply_error(client, request_id, code, message)
 
-    def _on_generate(self, client: bytes, msg: dict) -> None:
+    def _on_generate(self, client: bytes, msg: dict, now: float) -> None:
         self.stats.requests_received += 1
         rid = msg["request_id"]
         sid = msg.get("session_id")
-        if (client, rid) in self.by_client:
+        ckey = (client, rid)
+        if ckey in self.by_client:
             return self._refuse(client, rid, Code.DUPLICATE_REQUEST,
                                 f"request id {rid!r} is already in flight")
         if sid is not None and sid in self.busy_sessions:
@@ -198,20 +227,23 @@ class Broker:
         if worker is None and len(self.queue) >= self.config.queue_bound:
             return self._refuse(client, rid, Code.OVERLOADED,
                                 f"every worker is busy and {len(self.queue)} requests are queued")
-        now = time.monotonic()
         self._next_key += 1
-        p = Pending(key=f"{self._next_key:x}", client=client, request_id=rid, msg=msg,
-                    stream=msg.get("stream", False), session_id=sid,
-                    deadline=now + (msg.get("timeout") or self.config.default_timeout))
-        self.requests[p.key] = p
-        self.by_client[(client, rid)] = p
-        self.client_requests.setdefault(client, set()).add(p.key)
+        key = f"{self._next_key:x}"
+        p = Pending(key, client, rid, msg, msg.get("stream", False), sid,
+                    now + (msg.get("timeout") or self.config.default_timeout))
+        self.requests[key] = p
+        self.by_client[ckey] = p
+        keys = self.client_requests.get(client)
+        if keys is None:
+            self.client_requests[client] = {key}
+        else:
+            keys.add(key)
         if sid is not None:
             self.busy_sessions.add(sid)
         if worker is None:
             self.queue.append(p)
         else:
-            self._dispatch(p, worker)
+            self._dispatch(p, worker, now)
 
     def _pick(self, sid: Optional[str]) -> Optional[WorkerState]:
         """Where a request goes now, or None when every worker is full."""
@@ -236,18 +268,30 @@ class Broker:
             return "affinity"
         return "moved" if owner is not None else "new"
 
-    def _dispatch(self, p: Pending, worker: WorkerState) -> None:
-        self.stats.routing[self._routing_decision(p.session_id, worker)] += 1
+    def _dispatch(self, p: Pending, worker: WorkerState, now: Optional[float] = None) -> None:
+        sid = p.session_id
+        self.stats.routing[self._routing_decision(sid, worker)] += 1
         p.attempt += 1
         p.worker = worker
         worker.inflight[p.key] = p
-        if p.session_id is not None:
-            self.affinity[p.session_id] = worker
         m = p.msg
-        remaining = max(p.deadline - time.monotonic(), 0.001)
-        self._send_worker(worker, P.dispatch(
-            p.key, p.attempt, m.get("prompt"), m.get("input_ids"), p.session_id,
-            m.get("params") or {}, p.delivered, "".join(p.text_parts), round(remaining, 3)))
+        if now is None:
+            now = time.monotonic()
+        # What P.dispatch builds, written out: this runs once per request.
+        out = {"v": 1, "kind": "dispatch", "request_id": p.key, "attempt": p.attempt}
+        prompt = m.get("prompt")
+        if prompt is not None:
+            out["prompt"] = prompt
+        else:
+            out["input_ids"] = m["input_ids"]
+        if sid is not None:
+            self.affinity[sid] = worker
+            out["session_id"] = sid
+        out["params"] = m.get("params") or {}
+        out["resume_tokens"] = p.delivered
+        out["resume_text"] = "".join(p.text_parts) if p.text_parts else ""
+        out["timeout"] = round(max(p.deadline - now, 0.001), 3)
+        self._send_worker(worker, self._packb(out))
 
     def _drain_queue(self) -> None:
         while self.queue:
@@ -314,29 +358,28 @@ class Broker:
         self._send_worker(p.worker, P.cancel(p.key, p.attempt))
 
     # ------------------------------------------------------------ workers
-    def _on_worker_frames(self, frames: list) -> None:
-        ident = frames[0]
-        worker = self.workers.get(ident)
-        if len(frames) != 2:
+    def _on_worker_frames(self, ident: bytes, frame) -> None:
+        if type(frame) is not bytes:  # more than one frame after the routing id
             self.stats.worker_frames_rejected[Code.BAD_FRAME] += 1
             return
         try:
-            msg = P.decode_worker_message(frames[1], self.limits)
+            msg = _decode_worker(frame, self.limits)
         except ProtocolError as e:
             self.stats.worker_frames_rejected[e.code] += 1
             log.warning("rejected a frame from worker %r: %s", ident, e.message)
             return
         kind = msg["kind"]
-        if kind == Kind.REGISTER:
-            self._on_register(ident, msg)
+        worker = self.workers.get(ident)
+        if worker is None or kind == Kind.REGISTER:
+            if kind == Kind.REGISTER:
+                self._on_register(ident, msg)
+            else:  # dropped earlier, or the broker restarted
+                self._send_raw(ident, _RECONNECT_FRAME)
             return
-        if worker is None:  # dropped earlier, or the broker restarted
-            self._send_raw(ident, _RECONNECT_FRAME)
-            return
-        worker.expiry = time.monotonic() + self.config.heartbeat_interval * self.config.liveness
-        if kind == Kind.DELTA:
+        worker.expiry = time.monotonic() + self._silence_s
+        if kind == "delta":
             self._on_delta(worker, msg)
-        elif kind == Kind.FINAL:
+        elif kind == "final":
             self._on_final(worker, msg)
         elif kind == Kind.HEARTBEAT:
             self._on_heartbeat(worker, msg)
@@ -410,48 +453,68 @@ class Broker:
         return tokens
 
     def _on_delta(self, worker: WorkerState, msg: dict) -> None:
-        p = self._current(worker, msg)
-        if p is None or p.client_done:
+        p = self.requests.get(msg["request_id"])
+        if p is None or p.worker is not worker or p.attempt != msg["attempt"]:
+            self.stats.stale_dropped += 1
             return
-        start = len(p.delivered)
-        tokens = self._accept_tokens(p, msg)
-        if tokens is None:
-            return self._fail_gap(p, msg)
-        if not tokens and not msg["text"]:
+        if p.client_done:
             return
-        p.text_parts.append(msg["text"])
+        delivered = p.delivered
+        start = len(delivered)
+        if msg["index"] == start:  # in order, the usual case
+            tokens = msg["token_ids"]
+            delivered.extend(tokens)
+        else:
+            tokens = self._accept_tokens(p, msg)
+            if tokens is None:
+                return self._fail_gap(p, msg)
+        text = msg["text"]
+        if not tokens and not text:
+            return
+        p.text_parts.append(text)
         if p.stream:
             seq = p.seq
             p.seq = seq + 1
+            # The worker's delta with the client's id and seq in place of key and attempt.
             self._send_client(p.client, {"v": 1, "kind": "delta", "request_id": p.request_id,
                                          "seq": seq, "index": start, "token_ids": tokens,
-                                         "text": msg["text"]})
+                                         "text": text})
 
     def _on_final(self, worker: WorkerState, msg: dict) -> None:
-        p = self._current(worker, msg)
-        if p is None:
+        p = self.requests.get(msg["request_id"])
+        if p is None or p.worker is not worker or p.attempt != msg["attempt"]:
+            self.stats.stale_dropped += 1
             return
         if p.client_done:
             self._release(p)
             return
-        start = len(p.delivered)
-        tail = self._accept_tokens(p, msg)  # a final's tokens follow the last delta's
-        if tail is None:
-            return self._fail_gap(p, msg)
+        # A final has no index: its tokens follow the last delta's.
+        delivered = p.delivered
+        start = len(delivered)
+        tail = msg["token_ids"]
+        delivered.extend(tail)
         text = msg["text"]
-        p.text_parts.append(text)
-        usage = dict(msg["usage"])
-        usage["completion_tokens"] = len(p.delivered)  # includes tokens from earlier attempts
-        if p.stream:
-            if tail or text:
-                self._send_client(p.client, P.delta(p.request_id, p.seq, start, tail, text))
-                p.seq += 1
-            out = P.final(p.request_id, p.seq, msg["finish_reason"], usage, [], "")
-        else:
-            out = P.final(p.request_id, p.seq, msg["finish_reason"], usage, p.delivered,
-                          "".join(p.text_parts))
+        # The worker's map is ours (freshly decoded): patch it instead of copying.
+        usage = msg["usage"]
+        usage["completion_tokens"] = len(delivered)  # includes tokens from earlier attempts
         reason = msg["finish_reason"]
-        self._last_reply(p, out)
+        if p.stream:
+            p.text_parts.append(text)
+            if tail or text:
+                self._send_client(p.client, {"v": 1, "kind": "delta", "request_id": p.request_id,
+                                             "seq": p.seq, "index": start, "token_ids": tail,
+                                             "text": text})
+                p.seq += 1
+            tokens, text = [], ""
+        else:
+            tokens = delivered
+            if p.text_parts:
+                p.text_parts.append(text)
+                text = "".join(p.text_parts)
+        p.client_done = True  # before the send: a gone client is not cancelled twice
+        self._send_client(p.client, {"v": 1, "kind": "final", "request_id": p.request_id,
+                                     "seq": p.seq, "finish_reason": reason, "usage": usage,
+                                     "token_ids": tokens, "text": text})
         self._finish(p, "cancelled" if reason == "cancelled" else "completed")
 
     def _on_worker_error(self, worker: WorkerState, msg: dict) -> None:
@@ -507,7 +570,8 @@ class Broker:
             p.worker = None
         if p.session_id is not None:
             self.busy_sessions.discard(p.session_id)
-        self._drain_queue()
+        if self.queue:
+            self._drain_queue()
 
     def _finish(self, p: Pending, outcome: str) -> None:
         if self.observer is not None:  # the deadline was set at arrival

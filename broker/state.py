@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class WorkerState:
     identity: bytes  # ZeroMQ routing id on the back socket
     worker_id: str
@@ -28,7 +28,7 @@ class WorkerState:
         return self.slots - len(self.inflight)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Pending:
     """One generate request from accept to its final reply."""
 
@@ -50,7 +50,7 @@ class Pending:
     release_at: float = 0.0  # when client_done: free the slot by then even without a final
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class PendingEnd:
     """An end_session waiting for the worker's answer."""
 

@@ -140,15 +140,16 @@ def unpack(frame: bytes, limits: Limits = DEFAULT_LIMITS) -> dict:
                               timestamp=0, use_list=True)
     except Exception as e:  # msgpack raises many types for bad input
         raise ProtocolError(Code.BAD_FRAME, f"not a msgpack frame: {type(e).__name__}") from None
-    if not isinstance(msg, dict):
+    if type(msg) is not dict:
         raise ProtocolError(Code.BAD_FRAME, f"frame must be a map, got {type(msg).__name__}")
-    rid = _usable_id(msg.get("request_id"))
     v = msg.get("v")
     if v != PROTOCOL_VERSION or type(v) is not int:
         raise ProtocolError(Code.BAD_VERSION, f"protocol version {v!r} not supported "
-                            f"(this side speaks {PROTOCOL_VERSION})", rid)
+                            f"(this side speaks {PROTOCOL_VERSION})",
+                            _usable_id(msg.get("request_id")))
     if type(msg.get("kind")) is not str:
-        raise ProtocolError(Code.UNKNOWN_KIND, "kind must be a string", rid)
+        raise ProtocolError(Code.UNKNOWN_KIND, "kind must be a string",
+                            _usable_id(msg.get("request_id")))
     return msg
 
 
@@ -325,7 +326,46 @@ def _check_error_fields(msg: dict, limits: Limits) -> None:
 _GENERATE = _fields("request_id", "prompt", "input_ids", "session_id", "params", "stream", "timeout")
 
 
+def _generate_ok(msg: dict, limits: Limits) -> bool:
+    """The common well-formed generate, checked inline; False sends it through
+    the field-by-field checks (which name what is wrong, or accept it)."""
+    if not msg.keys() <= _GENERATE:
+        return False
+    rid = msg.get("request_id")
+    if type(rid) is not str or not 0 < len(rid) <= limits.max_id_chars:
+        return False
+    prompt, ids = msg.get("prompt"), msg.get("input_ids")
+    if prompt is None:
+        if type(ids) is not list or not 0 < len(ids) <= limits.max_prompt_tokens:
+            return False
+        for t in ids:
+            if type(t) is not int or not 0 <= t <= MAX_TOKEN_ID:
+                return False
+    elif ids is not None or type(prompt) is not str or not 0 < len(prompt) <= limits.max_prompt_chars:
+        return False
+    sid = msg.get("session_id")
+    if sid is not None and (type(sid) is not str or not 0 < len(sid) <= limits.max_id_chars):
+        return False
+    if "stream" in msg and type(msg["stream"]) is not bool:
+        return False
+    t = msg.get("timeout")
+    if t is not None and not (_is_num(t) and 0 < t <= limits.max_timeout_s):
+        return False
+    if "params" in msg:
+        params = msg["params"]
+        if type(params) is not dict:
+            return False
+        if len(params) == 1 and "max_tokens" in params:  # the usual one
+            m = params["max_tokens"]
+            return type(m) is int and 1 <= m <= limits.max_new_tokens
+        if params:
+            _check_params(msg, limits)  # raises just as the full path would here
+    return True
+
+
 def _c_generate(msg: dict, limits: Limits) -> None:
+    if _generate_ok(msg, limits):
+        return
     _check_fields(msg, _GENERATE)
     _check_str(msg, "request_id", limits.max_id_chars)
     _check_prompt(msg, limits)
@@ -503,7 +543,22 @@ def _w_delta(msg: dict, limits: Limits) -> None:
     _check_str(msg, "text", limits.max_text_chars, empty_ok=True)
 
 
+_USAGE_KEYS = frozenset(("prompt_tokens", "cached_tokens", "completion_tokens"))
+
+
 def _w_final(msg: dict, limits: Limits) -> None:
+    # Fast path as for deltas: eight keys with all six required ones present.
+    rid, attempt, reason, usage, text = (msg.get("request_id"), msg.get("attempt"),
+                                         msg.get("finish_reason"), msg.get("usage"),
+                                         msg.get("text"))
+    if (len(msg) == 8 and type(rid) is str and 0 < len(rid) <= limits.max_id_chars
+            and type(attempt) is int and 0 <= attempt <= MAX_TOKEN_ID
+            and type(reason) is str and reason in FINISH_REASONS
+            and type(text) is str and len(text) <= limits.max_text_chars
+            and type(usage) is dict and usage.keys() == _USAGE_KEYS
+            and _plain_ids(list(usage.values()), 3)
+            and _plain_ids(msg.get("token_ids"), limits.max_delta_tokens)):
+        return
     _check_fields(msg, _FINAL_W)
     _check_final_common(msg, limits)
     _check_int(msg, "attempt", 0, MAX_TOKEN_ID)

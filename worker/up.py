@@ -31,7 +31,10 @@ class UpConfig:
     model: str
     workers: int = 2
     front: str = "tcp://127.0.0.1:5555"
-    back: str = "tcp://127.0.0.1:*"
+    # None: ipc (a unix socket in a private temp folder) where libzmq has it, else
+    # tcp://127.0.0.1:*. Broker and workers share the machine; over ipc the hop
+    # costs less CPU and latency than tcp loopback (docs/broker.md, Performance).
+    back: Optional[str] = None
     redis_url: Optional[str] = None  # None: start a local redis-server if there is one
     device: str = "cpu"  # "cuda" gives worker i cuda:i
     worker_args: list = field(default_factory=list)  # engine flags passed to every worker
@@ -75,6 +78,7 @@ class LocalService:
         self.config = config
         self.procs: list[tuple[str, subprocess.Popen]] = []
         self._tmp: Optional[str] = None
+        self._ipc_dir: Optional[str] = None
 
     def _spawn(self, name: str, cmd: list, stdout=subprocess.PIPE) -> subprocess.Popen:
         proc = subprocess.Popen(cmd, stdout=stdout, text=True, start_new_session=True)
@@ -84,7 +88,7 @@ class LocalService:
     def start(self) -> Running:
         c = self.config
         redis_url = self._redis()
-        cmd = [sys.executable, "-m", "turbomq.broker", "--front", c.front, "--back", c.back,
+        cmd = [sys.executable, "-m", "turbomq.broker", "--front", c.front, "--back", self._back(),
                "--log-level", c.log_level]
         if c.metrics:
             cmd += ["--metrics-port", "0"]
@@ -105,6 +109,16 @@ class LocalService:
                 workers.append(_read_json_line(proc, name, START_TIMEOUT_S))
         return Running(broker["front"], broker["back"], redis_url, broker.get("metrics_port"),
                        workers)
+
+    def _back(self) -> str:
+        if self.config.back is not None:
+            return self.config.back
+        import zmq  # pyzmq comes with the broker
+
+        if not zmq.has("ipc"):
+            return "tcp://127.0.0.1:*"
+        self._ipc_dir = tempfile.mkdtemp(prefix="turbomq-")
+        return f"ipc://{self._ipc_dir}/back"
 
     def _redis(self) -> Optional[str]:
         if self.config.redis_url:
@@ -154,8 +168,9 @@ class LocalService:
         for _, proc in self.procs:
             if proc.stdout is not None:
                 proc.stdout.close()
-        if self._tmp is not None:
-            shutil.rmtree(self._tmp, ignore_errors=True)
+        for folder in (self._tmp, self._ipc_dir):
+            if folder is not None:
+                shutil.rmtree(folder, ignore_errors=True)
 
 
 def _describe(running: Running) -> str:

@@ -11,8 +11,8 @@ import zmq
 import zmq.asyncio
 
 from . import protocol as P
-from .common import (DEADLINE_GRACE_S, PromptLike, decode_reply, encode_checked, new_id,
-                     reply_error, sampling_params, split_prompt, to_event, to_result)
+from .common import (DEADLINE_GRACE_S, PromptLike, decode_reply, encode_checked,
+                     generate_frame, new_id, reply_error, sampling_params, to_event, to_result)
 from .errors import ServerError, Timeout, TurbomqError
 from .types import Delta, Final, Result
 
@@ -119,13 +119,11 @@ class AsyncClient:
                  **params: Any) -> Union[Awaitable[Result], AsyncIterator[Union[Delta, Final]]]:
         """`await c.generate(...)` -> Result; `async for e in c.generate(..., stream=True)`.
         Bad arguments raise InvalidRequest at once."""
-        prompt, input_ids = split_prompt(prompt, input_ids)
-        rid = request_id or new_id()
         timeout = timeout or self.timeout
-        msg = P.generate(rid, prompt, input_ids, session_id,
-                         sampling_params(max_tokens, temperature, top_p, top_k, stop, seed, params),
-                         stream, timeout)
-        frame = encode_checked(msg, self.limits)
+        rid, frame = generate_frame(
+            prompt, input_ids, session_id,
+            sampling_params(max_tokens, temperature, top_p, top_k, stop, seed, params),
+            stream, timeout, request_id, self.limits)
         deadline_in = timeout + DEADLINE_GRACE_S
         if stream:
             return self._stream(rid, frame, deadline_in)

@@ -10,8 +10,8 @@ from typing import Any, Iterator, Optional, Sequence, Union
 import zmq
 
 from . import protocol as P
-from .common import (DEADLINE_GRACE_S, PromptLike, decode_reply, encode_checked, new_id,
-                     reply_error, sampling_params, split_prompt, to_event, to_result)
+from .common import (DEADLINE_GRACE_S, PromptLike, decode_reply, encode_checked,
+                     generate_frame, new_id, reply_error, sampling_params, to_event, to_result)
 from .errors import Timeout
 from .types import Delta, Final, Result
 
@@ -102,13 +102,11 @@ class Client:
         """Generate from a text prompt or token ids. `**params`: any other
         SamplingParams field (min_p, repetition_penalty, stop_token_ids, ...).
         stream=False returns a Result; stream=True a Stream of Delta ending with a Final."""
-        prompt, input_ids = split_prompt(prompt, input_ids)
-        rid = request_id or new_id()
         timeout = timeout or self.timeout
-        msg = P.generate(rid, prompt, input_ids, session_id,
-                         sampling_params(max_tokens, temperature, top_p, top_k, stop, seed, params),
-                         stream, timeout)
-        frame = encode_checked(msg, self.limits)
+        rid, frame = generate_frame(
+            prompt, input_ids, session_id,
+            sampling_params(max_tokens, temperature, top_p, top_k, stop, seed, params),
+            stream, timeout, request_id, self.limits)
         deadline = time.monotonic() + timeout + DEADLINE_GRACE_S
         self._open(rid, frame)
         if stream:

@@ -42,6 +42,17 @@ def split_prompt(prompt: PromptLike, input_ids: Optional[Sequence[int]]) -> tupl
     return prompt, input_ids
 
 
+def generate_frame(prompt: PromptLike, input_ids: Optional[Sequence[int]],
+                   session_id: Optional[str], sampling: dict, stream: bool, timeout: float,
+                   request_id: Optional[str], limits: P.Limits) -> tuple[str, bytes]:
+    """(request id, checked frame) of a `generate` request: the part the sync
+    and async clients share."""
+    prompt, input_ids = split_prompt(prompt, input_ids)
+    rid = request_id or new_id()
+    msg = P.generate(rid, prompt, input_ids, session_id, sampling, stream, timeout)
+    return rid, encode_checked(msg, limits)
+
+
 def encode_checked(msg: dict, limits: P.Limits) -> bytes:
     """Pack and run the broker's own decoder on it, so a bad request fails
     here with the same message the broker would send."""

@@ -110,11 +110,12 @@ def bench_attention() -> list[dict]:
 CONFIGS = [
     ("default", {}),
     ("GEMV not programmatic", {"PDL": False}),
+    ("norm, silu, add apart", {"FUSED_GEMV": False}),
     ("GEMV for every projection", {"GEMV_MAX_ROWS": 8, "GEMV_MAX_K": 1 << 30}),
     ("no GEMV (cuBLAS)", {"GEMV_MAX_ROWS": 0}),
     ("split-K reduce kernel", {"FUSED_SPLITK_COMBINE": False}),
     ("rotary, write_kv apart", {"FUSED_ROTARY_WRITE_KV": False}),
-    ("none of them", {"GEMV_MAX_ROWS": 0, "FUSED_SPLITK_COMBINE": False,
+    ("none of them", {"GEMV_MAX_ROWS": 0, "FUSED_SPLITK_COMBINE": False, "FUSED_GEMV": False,
                       "FUSED_ROTARY_WRITE_KV": False, "PDL": False}),
 ]
 

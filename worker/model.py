@@ -61,15 +61,12 @@ class LlamaModel:
         (default: the last new token of every sequence), [N, vocab]."""
         cfg, ops = self.config, self.ops
         t = input_ids.shape[0]
-        h = self.embed[input_ids]
-        residual = None
+        # The residual stream, updated in place by the o and down projections;
+        # each norm is fused into the projection that reads it.
+        residual = self.embed[input_ids]
+        eps = cfg.rms_norm_eps
         for layer, layer_kv in zip(self.layers, kv.layers):
-            if residual is None:
-                residual = h
-                x = ops.rms_norm(h, layer["attn_norm"], cfg.rms_norm_eps)
-            else:
-                x, residual = ops.add_rms_norm(h, residual, layer["attn_norm"], cfg.rms_norm_eps)
-            qkv = ops.linear(x, layer["qkv"])
+            qkv = ops.linear(residual, layer["qkv"], norm=(layer["attn_norm"], eps))
             q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
             q = q.reshape(t, cfg.num_heads, cfg.head_dim)
             k = k.reshape(t, cfg.num_kv_heads, cfg.head_dim)
@@ -78,11 +75,9 @@ class LlamaModel:
             q = ops.rotary_write_kv(q, k, v, batch.positions, self.cos_sin, layer_kv,
                                     batch.slot_mapping)
             attn = ops.paged_attention(q, layer_kv, batch, self.scale)
-            h = ops.linear(attn.reshape(t, cfg.q_size), layer["o"])
-            x, residual = ops.add_rms_norm(h, residual, layer["mlp_norm"], cfg.rms_norm_eps)
-            h = ops.linear(ops.silu_mul(ops.linear(x, layer["gate_up"])), layer["down"])
+            ops.linear(attn.reshape(t, cfg.q_size), layer["o"], residual=residual)
+            act = ops.linear(residual, layer["gate_up"], norm=(layer["mlp_norm"], eps), silu=True)
+            ops.linear(act, layer["down"], residual=residual)
         if logits_indices is None:
             logits_indices = (batch.cu_q_lens[1:] - 1).long()
-        h = h[logits_indices] + residual[logits_indices]
-        h = ops.rms_norm(h, self.norm, cfg.rms_norm_eps)
-        return ops.linear(h, self.lm_head).float()
+        return ops.linear(residual[logits_indices], self.lm_head, norm=(self.norm, eps)).float()

@@ -20,6 +20,8 @@ void bind_cuda(py::module_& parent) {
   m.attr("ATTENTION_TILE_ROWS") = cuda::kAttentionTileRows;
   m.attr("ATTENTION_PARTITION_ALIGN") = cuda::kAttentionPartitionAlign;
   m.attr("GEMV_MAX_ROWS") = cuda::kGemvMaxRows;
+  m.attr("GEMV_MAX_FUSED_ROWS") = cuda::kGemvMaxFusedRows;
+  m.attr("GEMV_SMEM_BYTES") = cuda::kGemvSmemBytes;
 
   m.def("rms_norm", &cuda::rms_norm, py::arg("out"), py::arg("x"), py::arg("x_stride"),
         py::arg("weight"), py::arg("rows"), py::arg("hidden"), py::arg("eps"), py::arg("dtype"),
@@ -48,8 +50,14 @@ void bind_cuda(py::module_& parent) {
         py::arg("dtype"), py::arg("cache_dtype"), py::arg("stream"));
   m.def("set_programmatic_launch", &cuda::set_programmatic_launch, py::arg("on"));
   m.def("programmatic_launch", &cuda::programmatic_launch);
+  py::enum_<cuda::GemvEpilogue>(m, "GemvEpilogue")
+      .value("STORE", cuda::GemvEpilogue::kStore)
+      .value("ADD_INTO", cuda::GemvEpilogue::kAddInto)
+      .value("SILU_MUL", cuda::GemvEpilogue::kSiluMul);
   m.def("gemv", &cuda::gemv, py::arg("y"), py::arg("x"), py::arg("w"), py::arg("rows"),
-        py::arg("n_out"), py::arg("k_in"), py::arg("dtype"), py::arg("stream"));
+        py::arg("n_out"), py::arg("k_in"), py::arg("dtype"), py::arg("stream"),
+        py::arg("norm_weight") = 0, py::arg("eps") = 0.0f,
+        py::arg("epilogue") = cuda::GemvEpilogue::kStore);
 
   m.def(
       "paged_attention",

@@ -7,17 +7,16 @@
 // and reduces over all of K: lane l takes 16-byte chunks l, l + 32, ... of
 // each row (512 contiguous bytes per warp load), accumulates in fp32, and a
 // warp reduction finishes. Each (m, n) sums in the same order whatever M and
-// R are, so a row's result does not depend on the batch it is in.
+// R are, so a row's result does not depend on the batch it is in. At batch 1
+// the decoder layer is six launches: these fusions remove the norm, add and
+// silu_mul kernels (and their launch gaps) between the projections.
 #include "common.cuh"
 
 namespace turbomq {
 namespace cuda {
 namespace {
 
-constexpr int kGemvWarps = 4;
-constexpr int kGemvThreads = kGemvWarps * 32;
 constexpr int kInFlight = 16;  // 16-byte weight loads in flight per lane
-constexpr int kGemvSmemBytes = 48 * 1024;  // x staged in shared memory up to this size
 
 __device__ __forceinline__ uint4 load_stream(const uint4* p) {
   uint4 v;
@@ -62,30 +61,97 @@ __device__ __forceinline__ void load_weights(uint4 (&wv)[kU][R], const uint4* co
   }
 }
 
+// What the GEMV does around the product. The prologue may RMS-normalize the
+// staged x rows (the rms_norm op fused in front: every block normalizes its
+// own copy, cheaper than a launch); the epilogue may add the result into y
+// in place (the residual stream: y = y + x w^T, rounded as the separate add
+// rounds) or pair rows c and c + N of w and write silu(x w_c) * (x w_{c+N})
+// (the gate/up projection fused with silu_mul).
+enum class Prologue { kNone, kRmsNorm };
+enum class Epilogue { kStore, kAddInto, kSiluMul };
+
+template <typename T>
+struct GemvArgs {
+  T* y;
+  const T* x;
+  const T* w;
+  int n_out;  // output columns (kSiluMul: w has 2 * n_out rows)
+  int k_in;
+  const T* norm_w;  // kRmsNorm
+  float eps;
+};
+
 // x is read only after grid_dependency_wait (the previous kernel may still be
 // writing it when this one starts): through L2 (__ldcg), staged once per
 // block in shared memory when it fits (kSmemX), else per use.
-template <typename T, int M, int R, bool kSmemX>
-__global__ void __launch_bounds__(kGemvThreads)
-gemv_kernel(T* __restrict__ y, const T* x, const T* __restrict__ w, int n_out, int k_in) {
+template <typename T, int M, int R, int W, bool kSmemX, Prologue P, Epilogue E>
+__global__ void __launch_bounds__(W * 32) gemv_kernel(const GemvArgs<T> a) {
+  static_assert(P == Prologue::kNone || kSmemX, "the norm prologue works on staged x");
+  static_assert(E != Epilogue::kSiluMul || R == 2, "silu_mul pairs two rows per warp");
+  constexpr int kThreads = W * 32;
   constexpr int kU = kInFlight / R;  // chunks per row per iteration
   extern __shared__ uint4 xs[];      // [M][kv] with kSmemX
+  __shared__ float partial[W][M];    // kRmsNorm: per-warp sums of squares
+  launch_dependents();               // a following GEMV may start fetching its weights
   const int lane = threadIdx.x % 32;
-  const int n0 = (blockIdx.x * kGemvWarps + threadIdx.x / 32) * R;  // may be past n_out: no writes
-  const int kv = k_in / 8;  // 16-byte chunks per row
+  const int warp_id = blockIdx.x * W + threadIdx.x / 32;
+  // First output column of this warp (may be past n_out: no writes) and its weight rows.
+  const int n0 = E == Epilogue::kSiluMul ? warp_id : warp_id * R;
+  const int kv = a.k_in / 8;  // 16-byte chunks per row
   const uint4* wr[R];
 #pragma unroll
   for (int r = 0; r < R; ++r) {
-    wr[r] = reinterpret_cast<const uint4*>(w) + static_cast<std::int64_t>(min(n0 + r, n_out - 1)) * kv;
+    const int row = E == Epilogue::kSiluMul ? min(n0, a.n_out - 1) + r * a.n_out
+                                            : min(n0 + r, a.n_out - 1);
+    wr[r] = reinterpret_cast<const uint4*>(a.w) + static_cast<std::int64_t>(row) * kv;
   }
   uint4 wv[kU][R];
   int base = lane;
   load_weights<kU, R>(wv, wr, base, kv);  // independent of the previous kernel
 
   grid_dependency_wait();
-  const uint4* xv = reinterpret_cast<const uint4*>(x);
+  const uint4* xv = reinterpret_cast<const uint4*>(a.x);
   if constexpr (kSmemX) {
-    for (int i = threadIdx.x; i < M * kv; i += kGemvThreads) xs[i] = __ldcg(xv + i);
+    for (int i = threadIdx.x; i < M * kv; i += kThreads) xs[i] = __ldcg(xv + i);
+    __syncthreads();
+  }
+  if constexpr (P == Prologue::kRmsNorm) {
+    // x[m] <- norm_w * to_T(x[m] * rsqrt(mean(x[m]^2) + eps)), as rms_norm.
+    float ss[M];
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      ss[m] = 0.0f;
+      for (int i = threadIdx.x; i < kv; i += kThreads) {
+        float f[8];
+        widen8<T>(xs[m * kv + i], f);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) ss[m] += f[e] * f[e];
+      }
+      ss[m] = warp_sum(ss[m]);
+      if (lane == 0) partial[threadIdx.x / 32][m] = ss[m];
+    }
+    __syncthreads();
+    float inv[M];
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      float total = 0.0f;
+#pragma unroll
+      for (int i = 0; i < W; ++i) total += partial[i][m];
+      inv[m] = rsqrtf(total / static_cast<float>(a.k_in) + a.eps);
+    }
+    const uint4* nw = reinterpret_cast<const uint4*>(a.norm_w);
+    for (int i = threadIdx.x; i < kv; i += kThreads) {
+      float g[8];
+      widen8<T>(__ldg(nw + i), g);
+#pragma unroll
+      for (int m = 0; m < M; ++m) {
+        float f[8];
+        widen8<T>(xs[m * kv + i], f);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) f[e] = g[e] * round_to<T>(f[e] * inv[m]);
+        xs[m * kv + i] = pack8<T>(f);
+      }
+    }
     __syncthreads();
   }
 
@@ -125,57 +191,113 @@ gemv_kernel(T* __restrict__ y, const T* x, const T* __restrict__ w, int n_out, i
   for (int m = 0; m < M; ++m)
 #pragma unroll
     for (int r = 0; r < R; ++r) acc[m][r] = warp_sum(acc[m][r]);
-  // Lane m * R + r writes output (m, n0 + r).
+  if constexpr (E == Epilogue::kSiluMul) {
+    // Lane m writes (m, n0): silu rounded to T before the product, as silu_mul.
 #pragma unroll
-  for (int m = 0; m < M; ++m)
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      if (lane == m * R + r && n0 + r < n_out) {
-        y[static_cast<std::int64_t>(m) * n_out + n0 + r] = from_float<T>(acc[m][r]);
+    for (int m = 0; m < M; ++m) {
+      if (lane == m && n0 < a.n_out) {
+        const float g = round_to<T>(acc[m][0]), u = round_to<T>(acc[m][1]);
+        a.y[static_cast<std::int64_t>(m) * a.n_out + n0] =
+            from_float<T>(round_to<T>(g / (1.0f + expf(-g))) * u);
       }
     }
+  } else {
+    // Lane m * R + r writes output (m, n0 + r).
+#pragma unroll
+    for (int m = 0; m < M; ++m)
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        if (lane == m * R + r && n0 + r < a.n_out) {
+          T* dst = a.y + static_cast<std::int64_t>(m) * a.n_out + n0 + r;
+          float v = acc[m][r];
+          if constexpr (E == Epilogue::kAddInto) v = round_to<T>(v) + to_float(*dst);
+          *dst = from_float<T>(v);
+        }
+      }
+  }
 }
 
 bool g_programmatic_launch = true;
 
-template <typename T, int M, bool kSmemX>
-void launch_gemv_x(T* y, const T* x, const T* w, int n, int k, cudaStream_t s) {
-  constexpr int R = M <= 2 ? 1 : 2;
-  const int warps = (n + R - 1) / R;
-  const int blocks = (warps + kGemvWarps - 1) / kGemvWarps;
+template <typename T, int M, int W, bool kSmemX, Prologue P, Epilogue E>
+void launch_gemv_x(const GemvArgs<T>& a, cudaStream_t s) {
+  constexpr int R = (E == Epilogue::kSiluMul || M > 2) ? 2 : 1;
+  constexpr int kColsPerWarp = E == Epilogue::kSiluMul ? 1 : R;
+  auto kernel = gemv_kernel<T, M, R, W, kSmemX, P, E>;
+  const std::size_t smem = kSmemX ? static_cast<std::size_t>(M) * a.k_in * sizeof(T) : 0;
+  if (smem > 48 * 1024) {
+    static bool opted_in = false;  // one instantiation, one attribute call
+    if (!opted_in) {
+      check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      kGemvSmemBytes),
+                 "gemv: shared memory opt-in");
+      opted_in = true;
+    }
+  }
+  const int warps = (a.n_out + kColsPerWarp - 1) / kColsPerWarp;
   cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(blocks);
-  cfg.blockDim = dim3(kGemvThreads);
-  cfg.dynamicSmemBytes = kSmemX ? static_cast<std::size_t>(M) * k * sizeof(T) : 0;
+  cfg.gridDim = dim3((warps + W - 1) / W);
+  cfg.blockDim = dim3(W * 32);
+  cfg.dynamicSmemBytes = smem;
   cfg.stream = s;
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = g_programmatic_launch ? 1 : 0;
-  check_cuda(cudaLaunchKernelEx(&cfg, gemv_kernel<T, M, R, kSmemX>, y, x, w, n, k), "gemv_kernel");
+  check_cuda(cudaLaunchKernelEx(&cfg, kernel, a), "gemv_kernel");
 }
 
-template <typename T, int M>
-void launch_gemv(T* y, const T* x, const T* w, int n, int k, cudaStream_t s) {
-  if (static_cast<std::int64_t>(M) * k * sizeof(T) <= kGemvSmemBytes) {
-    launch_gemv_x<T, M, true>(y, x, w, n, k, s);
-  } else {
-    launch_gemv_x<T, M, false>(y, x, w, n, k, s);
+// Long rows (the down projection's K = 14336) take 8 warps a block, so one
+// staged copy of x serves twice the rows and the grid fits in one wave.
+template <typename T, int M, Prologue P, Epilogue E>
+void launch_gemv(const GemvArgs<T>& a, cudaStream_t s) {
+  const bool smem_x = static_cast<std::int64_t>(M) * a.k_in * sizeof(T) <= kGemvSmemBytes;
+  if constexpr (P == Prologue::kNone) {
+    if (!smem_x) return launch_gemv_x<T, M, 4, false, P, E>(a, s);
+  }
+  require(smem_x, "gemv: the fused norm needs rows * K * 2 <= " +
+                      std::to_string(kGemvSmemBytes) + " bytes");
+  if (a.k_in > 8192) return launch_gemv_x<T, M, 8, true, P, E>(a, s);
+  launch_gemv_x<T, M, 4, true, P, E>(a, s);
+}
+
+// The fused forms serve decode at batch 1-4 only (fewer instantiations).
+template <typename T, Prologue P, Epilogue E>
+void dispatch_rows(const GemvArgs<T>& a, int m, cudaStream_t s) {
+  constexpr bool kPlain = P == Prologue::kNone && E == Epilogue::kStore;
+  require(kPlain || m <= kGemvMaxFusedRows, "gemv: fused forms take at most 4 rows");
+  switch (m) {
+    case 1: return launch_gemv<T, 1, P, E>(a, s);
+    case 2: return launch_gemv<T, 2, P, E>(a, s);
+    case 3: return launch_gemv<T, 3, P, E>(a, s);
+    case 4: return launch_gemv<T, 4, P, E>(a, s);
+  }
+  if constexpr (kPlain) {
+    switch (m) {
+      case 5: return launch_gemv<T, 5, P, E>(a, s);
+      case 6: return launch_gemv<T, 6, P, E>(a, s);
+      case 7: return launch_gemv<T, 7, P, E>(a, s);
+      default: return launch_gemv<T, 8, P, E>(a, s);
+    }
+  }
+}
+
+template <typename T, Prologue P>
+void dispatch_epilogue(const GemvArgs<T>& a, int m, GemvEpilogue epilogue, cudaStream_t s) {
+  switch (epilogue) {
+    case GemvEpilogue::kStore: return dispatch_rows<T, P, Epilogue::kStore>(a, m, s);
+    case GemvEpilogue::kAddInto: return dispatch_rows<T, P, Epilogue::kAddInto>(a, m, s);
+    case GemvEpilogue::kSiluMul: return dispatch_rows<T, P, Epilogue::kSiluMul>(a, m, s);
   }
 }
 
 template <typename T>
-void dispatch_rows(T* y, const T* x, const T* w, int m, int n, int k, cudaStream_t s) {
-  switch (m) {
-    case 1: launch_gemv<T, 1>(y, x, w, n, k, s); break;
-    case 2: launch_gemv<T, 2>(y, x, w, n, k, s); break;
-    case 3: launch_gemv<T, 3>(y, x, w, n, k, s); break;
-    case 4: launch_gemv<T, 4>(y, x, w, n, k, s); break;
-    case 5: launch_gemv<T, 5>(y, x, w, n, k, s); break;
-    case 6: launch_gemv<T, 6>(y, x, w, n, k, s); break;
-    case 7: launch_gemv<T, 7>(y, x, w, n, k, s); break;
-    default: launch_gemv<T, 8>(y, x, w, n, k, s); break;
+void dispatch_gemv(const GemvArgs<T>& a, int m, bool norm, GemvEpilogue epilogue, cudaStream_t s) {
+  if (norm) {
+    dispatch_epilogue<T, Prologue::kRmsNorm>(a, m, epilogue, s);
+  } else {
+    dispatch_epilogue<T, Prologue::kNone>(a, m, epilogue, s);
   }
 }
 
@@ -185,20 +307,28 @@ void set_programmatic_launch(bool on) { g_programmatic_launch = on; }
 bool programmatic_launch() { return g_programmatic_launch; }
 
 void gemv(std::uintptr_t y, std::uintptr_t x, std::uintptr_t w, std::int64_t rows,
-          std::int64_t n_out, std::int64_t k_in, DType dtype, std::uintptr_t stream) {
+          std::int64_t n_out, std::int64_t k_in, DType dtype, std::uintptr_t stream,
+          std::uintptr_t norm_weight, float eps, GemvEpilogue epilogue) {
   require(dtype == DType::kF16 || dtype == DType::kBF16, "gemv: dtype must be float16 or bfloat16");
   require(rows >= 1 && rows <= kGemvMaxRows, "gemv: rows must be 1..8");
   require(k_in > 0 && k_in % 8 == 0 && n_out > 0, "gemv: K must be a positive multiple of 8");
-  require(x % 16 == 0 && w % 16 == 0, "gemv: x and w must be 16-byte aligned");
-  require(n_out < (1LL << 31) && k_in < (1LL << 31), "gemv: sizes too large");
+  require(x % 16 == 0 && w % 16 == 0 && norm_weight % 16 == 0,
+          "gemv: x, w and the norm weight must be 16-byte aligned");
+  require(n_out < (1LL << 30) && k_in < (1LL << 31), "gemv: sizes too large");
   cudaStream_t s = as_stream(stream);
-  const int m = static_cast<int>(rows), n = static_cast<int>(n_out), k = static_cast<int>(k_in);
+  const int m = static_cast<int>(rows);
+  const bool norm = norm_weight != 0;
+  auto run = [&](auto tag) {
+    using T = decltype(tag);
+    const GemvArgs<T> a{reinterpret_cast<T*>(y), reinterpret_cast<const T*>(x),
+                        reinterpret_cast<const T*>(w), static_cast<int>(n_out),
+                        static_cast<int>(k_in), reinterpret_cast<const T*>(norm_weight), eps};
+    dispatch_gemv<T>(a, m, norm, epilogue, s);
+  };
   if (dtype == DType::kF16) {
-    dispatch_rows(reinterpret_cast<__half*>(y), reinterpret_cast<const __half*>(x),
-                  reinterpret_cast<const __half*>(w), m, n, k, s);
+    run(__half{});
   } else {
-    dispatch_rows(reinterpret_cast<__nv_bfloat16*>(y), reinterpret_cast<const __nv_bfloat16*>(x),
-                  reinterpret_cast<const __nv_bfloat16*>(w), m, n, k, s);
+    run(__nv_bfloat16{});
   }
 }
 

@@ -64,15 +64,25 @@ void rotary_write_kv(std::uintptr_t q_out, std::uintptr_t q, std::int64_t q_stri
 // y [rows, N] = x [rows, K] @ w[N, K]^T for 1 <= rows <= kGemvMaxRows (decode
 // at small batch): fp32 accumulation, one rounding to the dtype. x, w, y
 // contiguous and 16-byte aligned, K a multiple of 8.
+// norm_weight != 0 normalizes x first, exactly as rms_norm(x, norm_weight,
+// eps) would (x then must fit in shared memory: rows * K * 2 <= 64 KiB).
+// The epilogue stores y, adds into y in place (y = y + x w^T, rounded as a
+// separate add: the residual stream), or with kSiluMul treats w as [2N, K]
+// and writes y [rows, N] = silu(x w[:N]^T) * (x w[N:]^T), as silu_mul.
 // With programmatic launch on (the default), the GEMV is launched with
 // programmatic stream serialization: it starts while the previous kernel
 // runs (the other kernels here signal it early), issues its first weight
 // loads, and waits for that kernel before reading x.
 constexpr int kGemvMaxRows = 8;
+constexpr int kGemvMaxFusedRows = 4;  // with a norm or a non-store epilogue
+constexpr int kGemvSmemBytes = 64 * 1024;  // x staged in shared memory up to this size
+enum class GemvEpilogue : int { kStore = 0, kAddInto = 1, kSiluMul = 2 };
 void set_programmatic_launch(bool on);
 bool programmatic_launch();
 void gemv(std::uintptr_t y, std::uintptr_t x, std::uintptr_t w, std::int64_t rows,
-          std::int64_t n_out, std::int64_t k_in, DType dtype, std::uintptr_t stream);
+          std::int64_t n_out, std::int64_t k_in, DType dtype, std::uintptr_t stream,
+          std::uintptr_t norm_weight = 0, float eps = 0.0f,
+          GemvEpilogue epilogue = GemvEpilogue::kStore);
 
 // Paged attention over block tables, decode and prefill-with-history alike.
 // A "tile" is up to 16 rows (query token, query head) of one sequence sharing

@@ -277,6 +277,70 @@ def test_gemv_after_norm_in_graph(programmatic, gen):
         k.set_programmatic_launch(before)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("mode", ["norm", "silu", "norm+silu", "add"])
+@pytest.mark.parametrize("n,k", [(4096, 4096), (1000, 14336), (40, 8), (515, 1032)])
+def test_gemv_fused(dtype, rows, mode, n, k, gen):
+    """The norm prologue, silu_mul and add-into epilogues against the
+    reference composition (in float64), and batch invariance."""
+    if "norm" in mode and rows * k * 2 > cuda_ops._k.GEMV_SMEM_BYTES:
+        pytest.skip("the fused norm needs x in shared memory")
+    x = randn((rows, k), dtype, gen)
+    w = randn((2 * n if "silu" in mode else n, k), dtype, gen, 0.05)
+    norm = (randn((k,), dtype, gen), 1e-5) if "norm" in mode else None
+    silu = "silu" in mode
+    residual = randn((rows, n), dtype, gen) if mode == "add" else None
+    start = residual.clone() if residual is not None else None
+    out = None if residual is not None else poisoned((rows, n), dtype)
+    got = cuda_ops.linear(x, w, norm=norm, silu=silu, residual=residual, out=out, native=True)
+    assert got is (residual if residual is not None else out)
+    dnorm = (norm[0].double(), norm[1]) if norm else None
+    expect = ref.linear(x.double(), w.double(), norm=dnorm, silu=silu,
+                        residual=start.double() if start is not None else None)
+    assert rel_err(got, expect) < TOL[dtype]
+    last = start[rows - 1:].clone() if start is not None else None
+    single = cuda_ops.linear(x[rows - 1:], w, norm=norm, silu=silu, residual=last, native=True)
+    assert torch.equal(single[0], got[rows - 1])
+
+
+@pytest.mark.parametrize("programmatic", [True, False])
+def test_fused_gemv_chain_in_graph(programmatic, gen):
+    """A decoder layer's projections as fused GEMVs back to back: each starts
+    while the previous one runs (programmatic launch), reads the residual
+    stream the previous one updated in place; eager and graph replays with
+    fresh inputs, against the reference."""
+    dtype, h, inter = torch.bfloat16, 4096, 1536
+    k = cuda_ops._k
+    before = k.programmatic_launch()
+    k.set_programmatic_launch(programmatic)
+    try:
+        n1, n2 = (randn((h,), dtype, gen), 1e-5), (randn((h,), dtype, gen), 1e-5)
+        wqkv, wo = randn((1536, h), dtype, gen, 0.02), randn((h, 1024), dtype, gen, 0.02)
+        wgu, wd = randn((2 * inter, h), dtype, gen, 0.02), randn((h, inter), dtype, gen, 0.02)
+        res = randn((2, h), dtype, gen)
+
+        def step(ops, r):
+            a = ops.linear(r, wqkv, norm=n1)
+            ops.linear(a[:, :1024].contiguous(), wo, residual=r)
+            act = ops.linear(r, wgu, norm=n2, silu=True)
+            ops.linear(act, wd, residual=r)
+            return r
+
+        start = res.clone()
+        assert rel_err(step(cuda_ops, res), step(ref, start.clone())) < TOL[dtype]
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step(cuda_ops, res)
+        for _ in range(3):
+            start = randn((2, h), dtype, gen)
+            res.copy_(start)
+            graph.replay()
+            assert rel_err(res, step(ref, start.clone())) < TOL[dtype]
+    finally:
+        k.set_programmatic_launch(before)
+
+
 def test_linear_policy(gen):
     x = randn((9, 256), torch.bfloat16, gen)
     w = randn((64, 256), torch.bfloat16, gen)

@@ -35,10 +35,11 @@ _k = getattr(_native_module, "cuda", None)
 # (docs/kernels.md): aim for ~6 blocks per multiprocessor, but keep
 # partitions >= 512 keys, since a block's fixed costs (q load, combining its
 # warps, the reduce) outweigh extra parallelism below that. Only a grid that
-# would not give every multiprocessor one block goes down to 128 keys.
+# would not give every multiprocessor one block goes down to 64 keys (batch 1
+# over 256 keys: 9.3 us at 64 against 11.1 us at 128).
 BLOCKS_PER_SM = 6
 MIN_PARTITION = 512
-MIN_PARTITION_TINY = 128
+MIN_PARTITION_TINY = 64
 
 # Split-K attention combines its partitions inside the attention kernel (the
 # last block of each (tile, KV head) to finish), not in a second launch.
@@ -48,14 +49,19 @@ FUSED_SPLITK_COMBINE = True
 FUSED_ROTARY_WRITE_KV = True
 
 # linear() runs the native GEMV for inputs of at most GEMV_MAX_ROWS rows
-# (decode at small batch; 0 turns it off) and rows of at most GEMV_MAX_K
-# inputs, cuBLAS (F.linear) otherwise. Measured on an H100 (docs/kernels.md):
-# at 1-4 rows the GEMV matches or beats cuBLAS on the 4096-wide projections
-# and the LM head, and it starts loading weights while the previous kernel
-# runs; cuBLAS's split-K wins on the 14336-long rows of the down projection,
-# and at 8 rows. TURBOMQ_GEMV_MAX_ROWS / TURBOMQ_GEMV_MAX_K override.
+# (decode at small batch; 0 turns it off), and for rows longer than
+# GEMV_MAX_K (the down projection's 14336) only at one row; cuBLAS (F.linear)
+# otherwise. Measured on an H100 (docs/kernels.md): at 1-4 rows the GEMV
+# matches or beats cuBLAS on the 4096-wide projections and the LM head, and
+# it starts loading weights while the previous kernel runs; with longer rows
+# cuBLAS's split-K wins from 2 rows, and at 8 rows.
+# TURBOMQ_GEMV_MAX_ROWS / TURBOMQ_GEMV_MAX_K override.
 GEMV_MAX_ROWS = int(os.environ.get("TURBOMQ_GEMV_MAX_ROWS", "4"))
 GEMV_MAX_K = int(os.environ.get("TURBOMQ_GEMV_MAX_K", "8192"))
+
+# linear()'s norm / silu_mul / residual add run inside the GEMV (False: as
+# separate kernels around it, for A/B runs).
+FUSED_GEMV = True
 
 
 def unavailable_reason() -> Optional[str]:
@@ -273,33 +279,68 @@ def rotary_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
 
 # -------------------------------------------------------------- linear
 def linear(x: torch.Tensor, weight: torch.Tensor, *,
+           norm: Optional[tuple[torch.Tensor, float]] = None, silu: bool = False,
+           residual: Optional[torch.Tensor] = None,
            out: Optional[torch.Tensor] = None, native: Optional[bool] = None) -> torch.Tensor:
-    """x @ weight.T. At most GEMV_MAX_ROWS rows of 16-bit data, rows of at
-    most GEMV_MAX_K, go to the native GEMV (weight read once at near copy
-    bandwidth); the rest to F.linear (cuBLAS). native=True takes the GEMV up
-    to its own limit (8 rows, any K) whatever the policy; False never."""
+    """As reference.linear: x @ weight.T, optionally after rms_norm(x, *norm),
+    followed by silu_mul, or added into `residual` in place. Inputs the GEMV
+    takes (GEMV_MAX_ROWS rows of 16-bit data; see GEMV_MAX_K) run as one
+    launch with the norm, silu_mul or add fused; the rest as cuBLAS plus the
+    separate kernels. native=True takes the GEMV up to its own limits
+    whatever the policy; False never."""
     k_in = x.shape[-1]
     rows = x.numel() // k_in if k_in else 0
+    fused = norm is not None or silu or residual is not None
     if _k is None or native is False:
         max_rows = 0
     elif native:
-        max_rows = _k.GEMV_MAX_ROWS
+        max_rows = _k.GEMV_MAX_FUSED_ROWS if fused else _k.GEMV_MAX_ROWS
     else:
-        max_rows = min(GEMV_MAX_ROWS, _k.GEMV_MAX_ROWS) if k_in <= GEMV_MAX_K else 0
-    if not (0 < rows <= max_rows and _native_ok(x, weight) and x.dtype in _HALF
-            and weight.dtype == x.dtype and weight.dim() == 2 and weight.shape[1] == k_in
-            and k_in % 8 == 0 and weight.is_contiguous() and weight.data_ptr() % 16 == 0):
+        max_rows = min(GEMV_MAX_ROWS, _k.GEMV_MAX_FUSED_ROWS if fused else _k.GEMV_MAX_ROWS)
+        if k_in > GEMV_MAX_K:
+            max_rows = min(max_rows, 1)
+    n_out = weight.shape[0] // 2 if silu else weight.shape[0]
+    ok = (0 < rows <= max_rows and _native_ok(x, weight) and x.dtype in _HALF
+          and weight.dtype == x.dtype and weight.dim() == 2 and weight.shape[1] == k_in
+          and k_in % 8 == 0 and weight.is_contiguous() and weight.data_ptr() % 16 == 0
+          and (not silu or weight.shape[0] % 2 == 0))
+    if ok and norm is not None:
+        ok = (norm[0].dtype == x.dtype and norm[0].is_contiguous() and norm[0].numel() == k_in
+              and norm[0].data_ptr() % 16 == 0 and rows * k_in * 2 <= _k.GEMV_SMEM_BYTES)
+    if ok and residual is not None:
+        ok = (residual.dtype == x.dtype and residual.is_contiguous()
+              and residual.shape == (*x.shape[:-1], n_out))
+    if not fused and not ok:
         return F.linear(x, weight)
-    n_out = weight.shape[0]
+    if not ok or (not FUSED_GEMV and native is None):
+        return _linear_unfused(x, weight, norm, silu, residual, native)
     x2 = x.reshape(rows, k_in)
     if not x2.is_contiguous() or x2.data_ptr() % 16 != 0:
         x2 = x2.clone(memory_format=torch.contiguous_format)  # fresh, so aligned
-    if out is None:
-        out = torch.empty((*x.shape[:-1], n_out), dtype=x.dtype, device=x.device)
+    if residual is not None:
+        out, epilogue = residual, _k.GemvEpilogue.ADD_INTO
+    else:
+        epilogue = _k.GemvEpilogue.SILU_MUL if silu else _k.GemvEpilogue.STORE
+        if out is None:
+            out = torch.empty((*x.shape[:-1], n_out), dtype=x.dtype, device=x.device)
     with _on_device(x):
         _k.gemv(out.data_ptr(), x2.data_ptr(), weight.data_ptr(), rows, n_out, k_in,
-                _DTYPES[x.dtype], _stream(x))
+                _DTYPES[x.dtype], _stream(x), norm[0].data_ptr() if norm is not None else 0,
+                float(norm[1]) if norm is not None else 0.0, epilogue)
     return out
+
+
+def _linear_unfused(x: torch.Tensor, weight: torch.Tensor,
+                    norm: Optional[tuple[torch.Tensor, float]], silu: bool,
+                    residual: Optional[torch.Tensor], native: Optional[bool]) -> torch.Tensor:
+    if norm is not None:
+        x = rms_norm(x, norm[0], norm[1])
+    y = linear(x, weight, native=native)  # the plain GEMV where the policy takes it
+    if silu:
+        y = silu_mul(y)
+    if residual is not None:
+        return residual.add_(y)
+    return y
 
 
 # ----------------------------------------------------------- attention

@@ -3,6 +3,8 @@ against. Written for clarity; math runs in float32 whatever the storage dtype.""
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from ..kv_cache import LayerKV
@@ -49,9 +51,21 @@ def rotary_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
     return q
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x @ weight.T (weight [out, in]), as F.linear."""
-    return torch.nn.functional.linear(x, weight)
+def linear(x: torch.Tensor, weight: torch.Tensor, *,
+           norm: Optional[tuple[torch.Tensor, float]] = None, silu: bool = False,
+           residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x @ weight.T (weight [out, in]), as F.linear; with `norm` = (weight,
+    eps) of rms_norm(x) instead of x; with `silu`, silu_mul of the product
+    (weight stacks gate over up); with `residual`, the product is added into
+    it in place and it is returned (the residual stream)."""
+    if norm is not None:
+        x = rms_norm(x, norm[0], norm[1])
+    y = torch.nn.functional.linear(x, weight)
+    if silu:
+        y = silu_mul(y)
+    if residual is not None:
+        return residual.add_(y)
+    return y
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -35,7 +35,10 @@ def host_step(sched: Scheduler, manager: KVCacheManager) -> int:
     width = (max(ctx_lens) + BLOCK - 1) // BLOCK
     tables = manager.block_tables(keys, width)
     AttentionBatch.build(q_lens, ctx_lens, tables, BLOCK)
-    sched.commit(plan, {id(item.seq): 7 for item in plan.scheduled if item.samples})
+    sampling = [item.seq for item in plan.scheduled if item.samples]
+    sched.commit(plan)
+    for seq in sampling:
+        sched.deliver(seq, 7)
     return len(plan.scheduled)
 
 

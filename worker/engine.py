@@ -54,6 +54,9 @@ class EngineConfig:
     alloc_policy: str = "on_demand"  # upfront | on_demand | reserved
     reserved_tokens: int = 64
     cuda_graphs: bool = True  # decode steps replay captured graphs (CUDA, fp16/bf16)
+    # With graphs: launch decode step t+1 before reading step t's tokens, so
+    # the host's work between steps overlaps the GPU's.
+    overlap_steps: bool = True
 
 
 @dataclass(frozen=True)
@@ -92,6 +95,16 @@ class _EndSession:
     session_id: str
     had_kv: bool = False
     done: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass(eq=False)
+class _Launched:
+    """A step on the device whose sampled tokens the host has not read."""
+    plan: StepPlan
+    seqs: list[Sequence]  # the rows that sample, in order
+    tokens: torch.Tensor  # their tokens, on the host (filled when `ready`)
+    ready: Optional[torch.cuda.Event]  # None: already on the host
+    graphed: bool  # a decode graph step, whose successor may launch before it is read
 
 
 @dataclass(eq=False)
@@ -158,6 +171,9 @@ class Engine:
         self._session_kv_tokens: dict[str, list[int]] = {}  # tokens whose KV is resident
         self._keys = itertools.count(1)
         self._wakeup = threading.Event()
+        self._launched: Optional[_Launched] = None
+        self._token_buffers = ([torch.empty(config.max_batch_size, dtype=torch.long, pin_memory=True)
+                                for _ in range(2)] if self.device.type == "cuda" else [])
         self._thread: Optional[threading.Thread] = None
         self._stopping = False
         # Called on the step thread after every step that did something, with
@@ -406,31 +422,75 @@ class Engine:
             self.step()
 
     def has_work(self) -> bool:
-        return not self._inbox.empty() or self.scheduler.has_work()
+        return (not self._inbox.empty() or self.scheduler.has_work()
+                or self._launched is not None)
 
     def step(self) -> bool:
-        """Run one step; False when there was nothing to do."""
+        """Run one step; False when there was nothing to do.
+
+        A decode graph step is left running: the next call schedules and
+        launches its successor first (its input tokens taken on the device)
+        and only then reads the tokens and streams them out. Anything else —
+        a request waiting to join, a prefill chunk, a repetition penalty that
+        needs the token history — reads the previous step's tokens first."""
         drained = self._drain_inbox()
+        prev = self._launched
+        if prev is not None and not (prev.graphed and not self.scheduler.waiting):
+            self._settle()
+            prev = None
         if not self.scheduler.has_work():
+            self._settle()  # a step whose sequences were all cancelled
             if drained:
                 self._observe(None, 0.0)
             return False
         plan = self.scheduler.schedule()
+        if prev is not None and not self._runs_ahead(plan):
+            self._settle()  # may finish sequences the plan holds
+            prev = None
+            plan.scheduled = [i for i in plan.scheduled if i.seq.status is SeqStatus.RUNNING]
         if plan.empty:
+            if prev is not None:
+                self._settle()
             return True
         start = time.perf_counter()
         try:
-            self._run(plan)
+            self._launched = self._launch(plan, prev)
         except Exception as exc:  # a failed forward fails its requests, not the engine
-            log.exception("step failed")
-            for item in plan.scheduled:
-                req = self._live.get(item.seq.request_id)
-                if req is not None and item.seq.status is SeqStatus.RUNNING:
-                    self._finish(req, "error", keep_kv=False,
-                                 error=errors.EngineError(f"step failed: {exc}"))
+            self._launched = None
+            self._fail_plan(plan, exc)
+        else:
+            self.scheduler.commit(plan)
+        if prev is not None:
+            self._deliver(prev)
+        if self._launched is not None and not self._launched.graphed:
+            self._settle()
         self.counters["steps"] += 1
         self._observe(plan, time.perf_counter() - start)
         return True
+
+    def _runs_ahead(self, plan: StepPlan) -> bool:
+        """Whether `plan` may launch before the previous step's tokens are
+        read: a decode graph step whose sampling needs no token history."""
+        graphs = self.decode_graphs
+        if not self.config.overlap_steps or graphs is None or plan.empty:
+            return False
+        items = plan.scheduled
+        return (all(i.num_new_tokens == 1 and i.samples
+                    and i.seq.params.repetition_penalty == 1.0 for i in items)
+                and graphs.fits(len(items), max(i.seq.num_computed + 1 for i in items)))
+
+    def _settle(self) -> None:
+        launched, self._launched = self._launched, None
+        if launched is not None:
+            self._deliver(launched)
+
+    def _fail_plan(self, plan: StepPlan, exc: Exception) -> None:
+        log.exception("step failed")
+        for item in plan.scheduled:
+            req = self._live.get(item.seq.request_id)
+            if req is not None and item.seq.status is not SeqStatus.FINISHED:
+                self._finish(req, "error", keep_kv=False,
+                             error=errors.EngineError(f"step failed: {exc}"))
 
     def _observe(self, plan: Optional[StepPlan], seconds: float) -> None:
         if self.step_observer is not None:
@@ -446,40 +506,76 @@ class Engine:
         return {sid for sid, key in self._session_keys.items()
                 if kv.contains(key) and kv.state(key) != SeqState.EVICTED}
 
-    def _run(self, plan) -> None:
+    def _launch(self, plan: StepPlan, prev: Optional[_Launched]) -> _Launched:
+        """Queue the step's forward and sampling on the device. A sequence whose
+        input token is still in flight (in `prev`) reads it on the device."""
         bs = self.config.block_size
         q_lens, ctx_lens, ids, keys = [], [], [], []
+        prev_rows: Optional[list[int]] = None
+        in_prev = {id(s): r for r, s in enumerate(prev.seqs)} if prev is not None else {}
         for item in plan.scheduled:
             seq = item.seq
             start = seq.num_computed
-            ids.extend(seq.tokens[start:start + item.num_new_tokens])
+            known = seq.tokens[start:start + item.num_new_tokens]
+            if len(known) < item.num_new_tokens:  # decode of the token in flight
+                if prev_rows is None:
+                    prev_rows = [-1] * len(keys)
+                prev_rows.append(in_prev[id(seq)])
+                known = [0]
+            elif prev_rows is not None:
+                prev_rows.append(-1)
+            ids.extend(known)
             q_lens.append(item.num_new_tokens)
             ctx_lens.append(start + item.num_new_tokens)
             keys.append(seq.kv_key)
         width = (max(ctx_lens) + bs - 1) // bs
         tables = self.kv_manager.block_tables(keys, width)
         rows = [i for i, item in enumerate(plan.scheduled) if item.samples]
-        sampled: dict[int, int] = {}
         graphs = self.decode_graphs
-        if (graphs is not None and len(ids) == len(rows) == len(keys)
-                and graphs.fits(len(ids), max(ctx_lens))):
-            logits = graphs.run(ids, ctx_lens, tables)  # decode-only step
+        graphed = (graphs is not None and len(ids) == len(rows) == len(keys)
+                   and graphs.fits(len(ids), max(ctx_lens)))
+        if graphed:
+            logits = graphs.run(ids, ctx_lens, tables, prev_rows)  # decode-only step
         else:
+            assert prev_rows is None, "only decode graph steps read tokens in flight"
             batch = AttentionBatch.build(q_lens, ctx_lens, tables, bs, self.device)
             input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
             last = batch.cu_q_lens[1:].long() - 1
             logits = self.model.forward(input_ids, batch, self.kv_cache,
                                         last[rows] if rows else last[:1])
-        if rows:
-            seqs = [plan.scheduled[i].seq for i in rows]
-            reqs = [self._live[s.request_id] for s in seqs]
-            tokens = sample(logits, [s.params for s in seqs], [r.rng for r in reqs],
-                            [s.tokens for s in seqs]).tolist()
-            sampled = {id(s): t for s, t in zip(seqs, tokens)}
-        self.scheduler.commit(plan, sampled)
-        for item in plan.scheduled:
-            if id(item.seq) in sampled:
-                self._on_token(self._live[item.seq.request_id], sampled[id(item.seq)])
+        seqs = [plan.scheduled[i].seq for i in rows]
+        if not seqs:
+            return _Launched(plan, [], torch.empty(0, dtype=torch.long), None, graphed)
+        reqs = [self._live[s.request_id] for s in seqs]
+        tokens = sample(logits, [s.params for s in seqs], [r.rng for r in reqs],
+                        [s.tokens for s in seqs])
+        if self.device.type != "cuda":
+            return _Launched(plan, seqs, tokens, None, graphed)
+        if graphed:
+            graphs.prev_tokens[:len(seqs)].copy_(tokens)  # the next step may read them here
+        # Pinned, so the copy is asynchronous (into pageable memory it would
+        # wait for this very step); two buffers, one per step in flight.
+        host = self._token_buffers[self.counters["steps"] % 2][:len(seqs)]
+        host.copy_(tokens, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return _Launched(plan, seqs, host, ready, graphed)
+
+    def _deliver(self, launched: _Launched) -> None:
+        """Read a launched step's tokens and stream them out; a sequence
+        finished meanwhile (stopped, cancelled) drops its token."""
+        try:
+            if launched.ready is not None:
+                launched.ready.synchronize()
+            tokens = launched.tokens.tolist()
+        except Exception as exc:
+            self._fail_plan(launched.plan, exc)
+            return
+        for seq, token in zip(launched.seqs, tokens):
+            if seq.status is SeqStatus.FINISHED:
+                continue
+            self.scheduler.deliver(seq, token)
+            self._on_token(self._live[seq.request_id], token)
 
     def _on_token(self, req: _Request, token: int) -> None:
         seq, params = req.seq, req.seq.params

@@ -15,6 +15,7 @@ it is batched. docs/sampling.md has the details.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import random
@@ -216,8 +217,7 @@ def sample(
         x = apply_repetition_penalty(x.float(), penalties, token_histories)
 
     random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
-    # torch.argmax returns the first maximal index: ties go to the lowest id.
-    tokens = torch.argmax(x, dim=-1)
+    tokens = argmax_rows(x)
     if not random_rows:
         return tokens
     sub_params = [params[i] for i in random_rows]
@@ -225,6 +225,34 @@ def sample(
     idx = torch.tensor(random_rows, device=x.device)
     tokens[idx] = _sample_rows(x[idx].float(), sub_params, u)
     return tokens
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(x, -1) (ties to the lowest id), in two stages on CUDA:
+    one reduction over a whole 128k-entry row runs on a single block (27 us
+    on an H100), so each row is cut into chunks reduced in parallel; the
+    first chunk holding the maximum and the first maximum within it give
+    the first maximal index overall."""
+    rows, vocab = x.shape
+    chunks = _argmax_chunks(vocab) if x.is_cuda else 1
+    if chunks == 1:
+        return torch.argmax(x, dim=-1)
+    width = vocab // chunks
+    best, where = x.view(rows, chunks, width).max(dim=-1)
+    chunk = torch.argmax(best, dim=-1, keepdim=True)
+    return (chunk * width + where.gather(1, chunk)).squeeze(1)
+
+
+@functools.lru_cache(maxsize=None)
+def _argmax_chunks(vocab: int) -> int:
+    """The divisor of `vocab` nearest its square root from below (1 for a
+    prime or a short vocabulary: a single pass then)."""
+    if vocab < 4096:
+        return 1
+    c = math.isqrt(vocab)
+    while vocab % c:
+        c -= 1
+    return c
 
 
 def _check_batch(logits, params, rngs, token_histories) -> None:

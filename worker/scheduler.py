@@ -59,6 +59,9 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     slot: Optional[int] = None
     num_computed: int = 0  # tokens whose KV is in the pool
+    # Tokens sampled on the GPU whose values the host has not read yet (0 or
+    # 1): they follow `tokens` and are appended when delivered.
+    inflight: int = 0
     cached_tokens: int = 0  # tokens reused from a resident session at admission
     reprefilled_tokens: int = 0  # history recomputed after an eviction
     finish_reason: Optional[str] = None
@@ -74,8 +77,13 @@ class Sequence:
         return self.tokens[self.prompt_len:]
 
     @property
+    def num_tokens(self) -> int:
+        """Known tokens plus the one in flight, if any."""
+        return len(self.tokens) + self.inflight
+
+    @property
     def in_decode(self) -> bool:
-        return self.num_computed == len(self.tokens) - 1
+        return self.num_computed == self.num_tokens - 1
 
 
 @dataclass
@@ -87,7 +95,7 @@ class ScheduledSeq:
     def samples(self) -> bool:
         """Whether this chunk reaches the end of the known tokens, so its last
         logits give the next token."""
-        return self.seq.num_computed + self.num_new_tokens == len(self.seq.tokens)
+        return self.seq.num_computed + self.num_new_tokens == self.seq.num_tokens
 
 
 @dataclass
@@ -144,7 +152,9 @@ class Scheduler:
 
         decoding, prefilling = [], []  # both oldest first
         for seq in self._running.values():
-            (decoding if seq.num_computed == len(seq.tokens) - 1 else prefilling).append(seq)
+            if seq.inflight and self._last_token_in_flight(seq):
+                continue  # finishes when that token is delivered
+            (decoding if seq.in_decode else prefilling).append(seq)
         scheduled = plan.scheduled
         reserve = self.kv.reserve
         # 1. one decode token for every running sequence past its prompt
@@ -174,6 +184,8 @@ class Scheduler:
         # 3. admit waiting requests, FCFS, while slots and budget last
         while self.waiting and budget >= 1 and self.num_free_slots:
             seq = self.waiting[0]
+            if seq.inflight:
+                break  # preempted with a token in flight: admitted once it is delivered
             if not self._admit(seq):
                 break  # head of line waits for blocks; nobody overtakes it
             self.waiting.popleft()
@@ -183,19 +195,25 @@ class Scheduler:
             budget -= n
         return plan
 
-    def commit(self, plan: StepPlan, sampled: dict[int, int]) -> None:
-        """Record a finished forward: each scheduled chunk's KV is written, and
-        sequences that sampled get their new token. `sampled` maps id(seq) to token."""
+    def commit(self, plan: StepPlan) -> None:
+        """Record a launched forward: each scheduled chunk's KV is (being)
+        written, and sequences that sample have a token in flight until
+        `deliver` hands it over."""
         set_num_tokens = self.kv.set_num_tokens
         for item in plan.scheduled:
             seq = item.seq
             if seq.status is not SeqStatus.RUNNING:
                 continue  # cancelled while the step ran
+            samples = item.samples
             seq.num_computed += item.num_new_tokens
             set_num_tokens(seq.kv_key, seq.num_computed)
-            token = sampled.get(id(seq))
-            if token is not None:
-                seq.tokens.append(token)
+            if samples:
+                seq.inflight += 1
+
+    def deliver(self, seq: Sequence, token: int) -> None:
+        """The sampled token of `seq`'s step in flight."""
+        seq.inflight -= 1
+        seq.tokens.append(token)
 
     def finish(self, seq: Sequence, reason: str, keep_kv: bool) -> None:
         """Free the slot at once. A session's KV stays cached for its next turn;
@@ -216,6 +234,12 @@ class Scheduler:
         seq.slot = None
 
     # -- internals -------------------------------------------------------------
+    def _last_token_in_flight(self, seq: Sequence) -> bool:
+        """Its token in flight reaches max_tokens or the context limit, so it
+        is the last whatever its value (the engine's length rule)."""
+        return (seq.num_generated + seq.inflight >= seq.params.max_tokens
+                or seq.num_tokens >= self.config.max_model_len)
+
     def _take_slot(self, seq: Sequence) -> None:
         seq.slot = self._free_slots.pop()
         self.slots[seq.slot] = seq

@@ -82,3 +82,41 @@ def test_bf16_engine_starts_like_fp32(tmp_path):
              for x, y in zip(fp32, bf16)]
     print("bf16 vs fp32 first divergence per sequence:", first)
     assert sum(f >= 1 for f in first) >= 7
+
+
+def test_overlapped_steps_equal_synchronous(tmp_path):
+    """Decode step t+1 launched before step t's tokens are read: the same
+    tokens as reading every step first, with rows that stop early (stop ids),
+    seeded sampling, a repetition penalty (which reads first), requests
+    joining as slots free, and a multi-turn session."""
+    path = tiny_model(tmp_path, 64, 2)
+    batch = prompts(12, 4)
+    stop = list(range(3, 40))
+    params = [SamplingParams(max_tokens=20 + 7 * i, temperature=0.0, stop_token_ids=stop)
+              if i % 3 == 0 else
+              SamplingParams(max_tokens=30, temperature=0.9, top_p=0.9, seed=i)
+              if i % 3 == 1 else
+              SamplingParams(max_tokens=25, repetition_penalty=1.3, **GREEDY)
+              for i in range(len(batch))]
+    runs = {}
+    for overlap in (False, True):
+        eng = Engine(EngineConfig(model=path, device="cuda", dtype="bf16", max_batch_size=8,
+                                  block_size=64, overlap_steps=overlap))
+        ids: list = []
+        done = {}
+        for prompt, p in zip(batch, params):
+            rid = eng.submit(input_ids=prompt, params=p,
+                             callback=lambda e: done.setdefault(e.request_id, []).append(e))
+            ids.append(rid)
+        while eng.has_work():
+            eng.step()
+        outs = [[t for e in done[r] for t in e.token_ids] for r in ids]
+        reasons = [done[r][-1].finish_reason for r in ids]
+        turns = [eng.generate(input_ids=[batch[t][:50]], session_id="chat",
+                              params=SamplingParams(max_tokens=16, **GREEDY))[0].token_ids
+                 for t in range(3)]
+        eng.kv_manager.check()
+        assert not eng.has_work()
+        runs[overlap] = (outs, reasons, turns)
+    assert runs[True] == runs[False]
+    assert "stop" in runs[True][1] and "length" in runs[True][1]

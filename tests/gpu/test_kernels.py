@@ -494,3 +494,15 @@ def test_fp32_falls_back_to_reference(gen):
                                        torch.float32, gen)
     got = cuda_ops.paged_attention(q, kv, batch, 0.125)
     assert rel_err(got, ref.paged_attention(q, kv, batch, 0.125)) < 1e-6
+
+
+@pytest.mark.parametrize("vocab", [128256, 32000, 50257, 259])
+def test_argmax_rows_first_maximum(vocab, gen):
+    """The sampler's two-stage argmax equals torch.argmax, ties included."""
+    from turbomq.worker.sampling import argmax_rows
+
+    x = randn((5, vocab), torch.float32, gen)
+    x[1, 3] = x[1, vocab - 2] = 50.0  # a tie across chunks: the lowest id wins
+    x[2, :] = 0.0  # all tied
+    x[3, vocab // 2] = x[3, vocab // 2 + 1] = 60.0  # a tie inside one chunk
+    assert torch.equal(argmax_rows(x), torch.argmax(x, dim=-1))

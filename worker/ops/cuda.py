@@ -60,8 +60,12 @@ GEMV_MAX_ROWS = int(os.environ.get("TURBOMQ_GEMV_MAX_ROWS", "4"))
 GEMV_MAX_K = int(os.environ.get("TURBOMQ_GEMV_MAX_K", "8192"))
 
 # linear()'s norm / silu_mul / residual add run inside the GEMV (False: as
-# separate kernels around it, for A/B runs).
+# separate kernels around it, for A/B runs) for inputs of at most
+# FUSED_GEMV_MAX_ROWS rows. Measured decode graph replays on an H100
+# (docs/kernels.md): batch 1 5.94 ms fused against 6.18 ms apart; batch 4
+# 7.43 ms fused against 6.71 ms apart, so only one row fuses.
 FUSED_GEMV = True
+FUSED_GEMV_MAX_ROWS = 1
 
 
 def unavailable_reason() -> Optional[str]:
@@ -296,7 +300,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, *,
     elif native:
         max_rows = _k.GEMV_MAX_FUSED_ROWS if fused else _k.GEMV_MAX_ROWS
     else:
-        max_rows = min(GEMV_MAX_ROWS, _k.GEMV_MAX_FUSED_ROWS if fused else _k.GEMV_MAX_ROWS)
+        max_rows = min(GEMV_MAX_ROWS, FUSED_GEMV_MAX_ROWS if fused else _k.GEMV_MAX_ROWS)
         if k_in > GEMV_MAX_K:
             max_rows = min(max_rows, 1)
     n_out = weight.shape[0] // 2 if silu else weight.shape[0]
@@ -312,7 +316,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, *,
               and residual.shape == (*x.shape[:-1], n_out))
     if not fused and not ok:
         return F.linear(x, weight)
-    if not ok or (not FUSED_GEMV and native is None):
+    if not ok or (fused and not FUSED_GEMV and native is None):
         return _linear_unfused(x, weight, norm, silu, residual, native)
     x2 = x.reshape(rows, k_in)
     if not x2.is_contiguous() or x2.data_ptr() % 16 != 0:

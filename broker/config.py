@@ -18,6 +18,10 @@ class BrokerConfig:
     cancel_grace: float = 2.0  # wait this long for a worker to confirm a cancel
     max_redispatch: int = 3  # worker losses one request survives
     send_hwm: int = 100_000  # per-peer outbound queue, in messages
+    # After a burst of messages, keep polling (without sleeping) this long for
+    # the next one before blocking: a reply that comes back soon is picked up
+    # at once instead of after a wake-up. 0: block at once.
+    spin_us: float = 250.0
 
     def __post_init__(self) -> None:
         if self.heartbeat_interval <= 0 or self.liveness < 1:
@@ -26,3 +30,5 @@ class BrokerConfig:
             raise ValueError("queue_bound must be >= 0 and max_frame_bytes >= 1024")
         if self.client_timeout <= 0 or self.default_timeout <= 0:
             raise ValueError("client_timeout and default_timeout must be > 0")
+        if not 0 <= self.spin_us <= 1_000_000:
+            raise ValueError("spin_us must be in [0, 1e6]")

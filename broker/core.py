@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 import types
 from collections import deque
@@ -98,20 +99,33 @@ class Broker:
     def run(self) -> None:
         # zmq_poll on a fixed item list: what zmq.Poller.poll does, minus its wrapper.
         items = [(self.front, _POLLIN), (self.back, _POLLIN)]
-        poll, monotonic = zmq.zmq_poll, time.monotonic
+        poll, monotonic, yield_cpu = zmq.zmq_poll, time.monotonic, os.sched_yield
         interval = self.config.heartbeat_interval
+        spin_s = self.config.spin_us * 1e-6
         next_tick = monotonic() + interval
+        spin_until = 0.0
         back = self.back
         drain, on_worker, on_client = self._drain, self._on_worker_frames, self._on_client_frames
         while not self._stopping:
-            # Rounded up: a timeout truncated to 0 ms would spin until the tick.
-            wait_ms = math.ceil((next_tick - monotonic()) * 1000.0)
-            for sock, _ in poll(items, wait_ms if wait_ms > 0 else 0):
-                if sock is back:
-                    drain(back, on_worker)
-                else:
-                    drain(sock, on_client)
             now = monotonic()
+            if now < spin_until:
+                events = poll(items, 0)
+                if not events:
+                    # Spinning must not hold off a thread waiting for this CPU:
+                    # most often our own I/O thread, carrying the next message.
+                    yield_cpu()
+            else:
+                # Rounded up: a timeout truncated to 0 ms would spin until the tick.
+                wait_ms = math.ceil((next_tick - now) * 1000.0)
+                events = poll(items, wait_ms if wait_ms > 0 else 0)
+            if events:
+                for sock, _ in events:
+                    if sock is back:
+                        drain(back, on_worker)
+                    else:
+                        drain(sock, on_client)
+                now = monotonic()
+                spin_until = now + spin_s
             if now >= next_tick:
                 self._tick(now)
                 next_tick = now + interval
@@ -157,8 +171,7 @@ class Broker:
         self.stats.messages_out += 1
         return True
 
-    def _send_worker(self, worker: WorkerState, msg_or_frame) -> bool:
-        frame = msg_or_frame if isinstance(msg_or_frame, bytes) else self._packb(msg_or_frame)
+    def _send_worker(self, worker: WorkerState, frame: bytes) -> bool:
         try:
             self._back_send(worker.identity, _SNDMORE_NOBLOCK)
             self._back_send(frame, zmq.NOBLOCK)
@@ -260,23 +273,14 @@ class Broker:
                     best, best_load = w, load
         return best
 
-    def _routing_decision(self, sid: Optional[str], worker: WorkerState) -> str:
-        if sid is None:
-            return "stateless"
-        owner = self.affinity.get(sid)
-        if owner is worker:
-            return "affinity"
-        return "moved" if owner is not None else "new"
-
     def _dispatch(self, p: Pending, worker: WorkerState, now: Optional[float] = None) -> None:
         sid = p.session_id
-        self.stats.routing[self._routing_decision(sid, worker)] += 1
-        p.attempt += 1
-        p.worker = worker
-        worker.inflight[p.key] = p
         m = p.msg
         if now is None:
             now = time.monotonic()
+        p.attempt += 1
+        p.worker = worker
+        worker.inflight[p.key] = p
         # What P.dispatch builds, written out: this runs once per request.
         out = {"v": 1, "kind": "dispatch", "request_id": p.key, "attempt": p.attempt}
         prompt = m.get("prompt")
@@ -284,14 +288,19 @@ class Broker:
             out["prompt"] = prompt
         else:
             out["input_ids"] = m["input_ids"]
-        if sid is not None:
-            self.affinity[sid] = worker
-            out["session_id"] = sid
         out["params"] = m.get("params") or {}
         out["resume_tokens"] = p.delivered
         out["resume_text"] = "".join(p.text_parts) if p.text_parts else ""
         out["timeout"] = round(max(p.deadline - now, 0.001), 3)
+        if sid is None:
+            decision = "stateless"
+        else:
+            out["session_id"] = sid
+            owner = self.affinity.get(sid)
+            decision = "affinity" if owner is worker else "new" if owner is None else "moved"
+            self.affinity[sid] = worker
         self._send_worker(worker, self._packb(out))
+        self.stats.routing[decision] += 1
 
     def _drain_queue(self) -> None:
         while self.queue:
@@ -316,7 +325,7 @@ class Broker:
         p.cancelling = True
         p.release_at = time.monotonic() + self.config.cancel_grace
         self.stats.cancels_forwarded += 1
-        self._send_worker(p.worker, P.cancel(p.key, p.attempt))
+        self._send_worker(p.worker, self._packb(P.cancel(p.key, p.attempt)))
 
     def _on_end_session(self, client: bytes, msg: dict) -> None:
         rid, sid = msg["request_id"], msg["session_id"]
@@ -334,7 +343,7 @@ class Broker:
         key = f"e{self._next_key:x}"
         self.pending_ends[key] = PendingEnd(client, rid, sid, worker,
                                             time.monotonic() + self.config.cancel_grace * 5)
-        self._send_worker(worker, P.end_session(key, sid))
+        self._send_worker(worker, self._packb(P.end_session(key, sid)))
 
     def _client_gone(self, client: bytes, outcome: str) -> None:
         """Cancel everything the client has in flight; nothing more is sent to it."""
@@ -355,7 +364,7 @@ class Broker:
             return
         p.release_at = time.monotonic() + self.config.cancel_grace
         self.stats.cancels_forwarded += 1
-        self._send_worker(p.worker, P.cancel(p.key, p.attempt))
+        self._send_worker(p.worker, self._packb(P.cancel(p.key, p.attempt)))
 
     # ------------------------------------------------------------ workers
     def _on_worker_frames(self, ident: bytes, frame) -> None:
@@ -408,7 +417,8 @@ class Broker:
             self._worker_lost(old, "re-registered")
         log.info("worker %s registered: %d slots, %d kv blocks", worker.worker_id, worker.slots,
                  worker.kv_blocks)
-        self._send_worker(worker, P.registered(self.config.heartbeat_interval, self.config.liveness))
+        self._send_worker(worker, self._packb(P.registered(self.config.heartbeat_interval,
+                                                          self.config.liveness)))
         self._drain_queue()
 
     def _on_heartbeat(self, worker: WorkerState, msg: dict) -> None:

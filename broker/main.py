@@ -32,6 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="request deadline in seconds when the client sets none")
     p.add_argument("--cancel-grace", type=float, default=d.cancel_grace)
     p.add_argument("--max-redispatch", type=int, default=d.max_redispatch)
+    p.add_argument("--spin-us", type=float, default=d.spin_us,
+                   help="microseconds to keep polling after a burst before sleeping (0: never)")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus /metrics on this port (0: a free one; default: none)")
     p.add_argument("--metrics-host", default="127.0.0.1")
@@ -97,7 +99,8 @@ def config_from_args(args: argparse.Namespace) -> BrokerConfig:
                         heartbeat_interval=args.heartbeat_interval, liveness=args.liveness,
                         queue_bound=args.queue_bound, max_frame_bytes=args.max_frame_bytes,
                         client_timeout=args.client_timeout, default_timeout=args.default_timeout,
-                        cancel_grace=args.cancel_grace, max_redispatch=args.max_redispatch)
+                        cancel_grace=args.cancel_grace, max_redispatch=args.max_redispatch,
+                        spin_us=args.spin_us)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

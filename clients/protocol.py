@@ -123,6 +123,9 @@ def pack(msg: Mapping[str, Any]) -> bytes:
     return _packer.pack(msg)
 
 
+_unpackb = msgpack.unpackb
+
+
 def _reject_ext(code: int, data: bytes) -> Any:
     raise ValueError(f"msgpack ext type {code} is not part of the protocol")
 
@@ -523,17 +526,21 @@ def _plain_ids(ids: Any, max_len: int) -> bool:
     return True
 
 
-def _w_delta(msg: dict, limits: Limits) -> None:
-    # Fast path for the hottest message; the field-by-field checks below only
-    # run to name what is wrong. Seven keys with all five present leaves no
-    # room for an unknown one.
+def _w_delta_ok(msg: dict, limits: Limits) -> bool:
+    """The common well-formed worker delta, checked inline. Seven keys with
+    all five fields present leaves no room for an unknown one."""
     rid, attempt, index, text = (msg.get("request_id"), msg.get("attempt"), msg.get("index"),
                                  msg.get("text"))
-    if (len(msg) == 7 and type(rid) is str and 0 < len(rid) <= limits.max_id_chars
+    return (len(msg) == 7 and type(rid) is str and 0 < len(rid) <= limits.max_id_chars
             and type(attempt) is int and 0 <= attempt <= MAX_TOKEN_ID
             and type(index) is int and 0 <= index <= MAX_TOKEN_ID
             and type(text) is str and len(text) <= limits.max_text_chars
-            and _plain_ids(msg.get("token_ids"), limits.max_delta_tokens)):
+            and _plain_ids(msg.get("token_ids"), limits.max_delta_tokens))
+
+
+def _w_delta(msg: dict, limits: Limits) -> None:
+    # The field-by-field checks only run to name what is wrong.
+    if _w_delta_ok(msg, limits):
         return
     _check_fields(msg, _DELTA_W)
     _check_str(msg, "request_id", limits.max_id_chars)
@@ -546,18 +553,22 @@ def _w_delta(msg: dict, limits: Limits) -> None:
 _USAGE_KEYS = frozenset(("prompt_tokens", "cached_tokens", "completion_tokens"))
 
 
-def _w_final(msg: dict, limits: Limits) -> None:
-    # Fast path as for deltas: eight keys with all six required ones present.
+def _w_final_ok(msg: dict, limits: Limits) -> bool:
+    """As _w_delta_ok: eight keys with all six required fields present."""
     rid, attempt, reason, usage, text = (msg.get("request_id"), msg.get("attempt"),
                                          msg.get("finish_reason"), msg.get("usage"),
                                          msg.get("text"))
-    if (len(msg) == 8 and type(rid) is str and 0 < len(rid) <= limits.max_id_chars
+    return (len(msg) == 8 and type(rid) is str and 0 < len(rid) <= limits.max_id_chars
             and type(attempt) is int and 0 <= attempt <= MAX_TOKEN_ID
             and type(reason) is str and reason in FINISH_REASONS
             and type(text) is str and len(text) <= limits.max_text_chars
             and type(usage) is dict and usage.keys() == _USAGE_KEYS
             and _plain_ids(list(usage.values()), 3)
-            and _plain_ids(msg.get("token_ids"), limits.max_delta_tokens)):
+            and _plain_ids(msg.get("token_ids"), limits.max_delta_tokens))
+
+
+def _w_final(msg: dict, limits: Limits) -> None:
+    if _w_final_ok(msg, limits):
         return
     _check_fields(msg, _FINAL_W)
     _check_final_common(msg, limits)
@@ -642,8 +653,37 @@ def _decode(frame: bytes, checks: dict, limits: Limits) -> dict:
     return msg
 
 
+def _quick_map(frame: Any, limits: Limits) -> Optional[dict]:
+    """A version-1 map with a string kind, or None: the full decoder then
+    judges the frame (and names what is wrong). msgpack's defaults differ from
+    unpack's options only in turning ext types into objects, and the fast
+    checks that use this accept plain types only, so both accept the same
+    frames."""
+    if type(frame) is not bytes or len(frame) > limits.max_frame_bytes:
+        return None
+    try:
+        msg = _unpackb(frame)
+    except Exception:  # malformed: the full decoder says how
+        return None
+    if type(msg) is not dict:
+        return None
+    v = msg.get("v")
+    if type(v) is not int or v != PROTOCOL_VERSION:
+        return None
+    return msg
+
+
 def decode_client_request(frame: bytes, limits: Limits = DEFAULT_LIMITS) -> dict:
     """A frame a client sent to the broker."""
+    # The broker's hot path: a well-formed generate in one unpack and one
+    # inline check; anything else takes the full path below.
+    msg = _quick_map(frame, limits)
+    if msg is not None and msg.get("kind") == Kind.GENERATE:
+        try:
+            if _generate_ok(msg, limits):
+                return msg
+        except Exception:  # the full path raises the right ProtocolError
+            pass
     return _decode(frame, CLIENT_REQUEST_CHECKS, limits)
 
 
@@ -654,6 +694,13 @@ def decode_client_reply(frame: bytes, limits: Limits = DEFAULT_LIMITS) -> dict:
 
 def decode_worker_message(frame: bytes, limits: Limits = DEFAULT_LIMITS) -> dict:
     """A frame a worker sent to the broker."""
+    # The broker's hot path, as for generate: well-formed deltas and finals.
+    msg = _quick_map(frame, limits)
+    if msg is not None:
+        kind = msg.get("kind")
+        if ((kind == Kind.DELTA and _w_delta_ok(msg, limits))
+                or (kind == Kind.FINAL and _w_final_ok(msg, limits))):
+            return msg
     return _decode(frame, WORKER_MESSAGE_CHECKS, limits)
 
 

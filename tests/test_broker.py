@@ -275,6 +275,54 @@ def test_front_fuzz_then_valid_request(service, client_for):
     assert sum(c.stats()["frames_rejected"].values()) == len(frames) + 1
 
 
+def test_without_spinning(service, client_for):
+    """--spin-us 0: the loop blocks in poll right after each burst."""
+    svc = service(**{"spin-us": 0})
+    svc.add_worker("w1", slots=2)
+    c = client_for(svc)
+    svc.wait_workers(c, 1)
+    assert c.generate(input_ids=[3, 4], max_tokens=5).token_ids == expected_echo([3, 4], 5)
+    events = list(c.generate(input_ids=[9], max_tokens=3, stream=True))
+    assert [t for e in events[:-1] for t in e.token_ids] == [9, 9, 9]
+    time.sleep(1.0)  # several liveness spans: heartbeats keep going while idle
+    assert c.health()["workers"] == 1
+
+
+def test_malformed_worker_frames_are_counted_and_dropped(service, client_for):
+    svc = service()
+    c = client_for(svc)
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(svc.back)
+    sock.send(P.pack(P.register("raw", "m", 1, 10)))
+    assert sock.poll(5000) and P.decode_broker_command(sock.recv())["kind"] == "registered"
+    usage = P.usage(1, 0, 1)
+    bad = [b"\xc1", P.pack(P.worker_delta("k", 1, 0, [-1], "x")),
+           P.pack({**P.worker_delta("k", 1, 0, [1], "x"), "extra": 1}),
+           P.pack(P.worker_final("k", 1, "exploded", usage, [], "")),
+           P.pack({**P.worker_final("k", 1, "stop", usage, [], ""), "usage": {"x": 1}}),
+           P.pack({**P.worker_delta("k", 1, 0, [1], "x"), "text": msgpack.ExtType(1, b"")})]
+    for frame in bad:
+        sock.send(frame)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        if sum(c.stats()["worker_frames_rejected"].values()) == len(bad):
+            break
+        time.sleep(0.05)
+    assert sum(c.stats()["worker_frames_rejected"].values()) == len(bad)
+    # The broker goes on (registered again, as this raw worker does not heartbeat):
+    # a well-formed final for an unknown request is stale, not an error.
+    sock.send(P.pack(P.register("raw", "m", 1, 10)))
+    while sock.poll(5000) and P.decode_broker_command(sock.recv())["kind"] != "registered":
+        pass
+    sock.send(P.pack(P.worker_final("k", 1, "stop", usage, [], "")))
+    deadline = time.monotonic() + 5
+    while c.stats()["stale_dropped"] < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert c.stats()["stale_dropped"] == 1
+    sock.close(0)
+
+
 def test_unknown_worker_is_told_to_reconnect(service):
     svc = service()
     sock = zmq.Context.instance().socket(zmq.DEALER)

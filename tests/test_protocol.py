@@ -198,3 +198,36 @@ def test_fuzz_decoders_raise_only_protocol_errors():
     assert {Code.BAD_FRAME, Code.BAD_VERSION, Code.UNKNOWN_KIND, Code.INVALID_FIELD,
             Code.FRAME_TOO_LARGE} <= seen_codes
     assert decoded > 0  # the fuzz also reached valid frames
+
+
+@pytest.mark.parametrize("decode,checks", [
+    (P.decode_client_request, P.CLIENT_REQUEST_CHECKS),
+    (P.decode_worker_message, P.WORKER_MESSAGE_CHECKS)])
+def test_fast_paths_agree_with_the_full_checks(decode, checks):
+    """The broker's decoders take a shortcut for well-formed generate, delta
+    and final frames; on any frame they accept and reject exactly what the
+    field-by-field path does, with the same code and request id."""
+    def outcome(f, frame):
+        try:
+            return "ok", f(frame)
+        except ProtocolError as e:
+            return e.code, e.request_id
+
+    hot = [P.generate("r", input_ids=[1, 2], params={"max_tokens": 2}),
+           P.generate("r", prompt="hi", session_id="s", params={}, stream=True, timeout=1.5),
+           P.worker_delta("k1", 1, 0, [5], "e"), P.worker_final("k1", 1, "length", USAGE, [1], "a")]
+    frames = list(_fuzz_frames(random.Random(7)))
+    for base in hot:
+        frames.append(P.pack(base))
+        frames += list(_mutations(random.Random(11), base, 300))
+    frames += [P.pack({**hot[0], "params": {"max_tokens": 2, "stop": [1]}}),  # odd param type
+               P.pack({**hot[0], "request_id": msgpack.ExtType(1, b"x")}),
+               P.pack({**hot[2], "text": msgpack.Timestamp(1, 0)}),
+               P.pack({**hot[3], "usage": {**USAGE, "cached_tokens": True}}),
+               bytearray(P.pack(hot[0])), memoryview(P.pack(hot[2]))]
+    accepted = 0
+    for frame in frames:
+        fast = outcome(decode, frame)
+        assert fast == outcome(lambda f: P._decode(f, checks, P.DEFAULT_LIMITS), frame)
+        accepted += fast[0] == "ok"
+    assert accepted >= len(hot)

@@ -181,7 +181,6 @@ def bench_elementwise() -> list[dict]:
     hidden, inter = 4096, 14336
     for tokens in (256, 4096):
         x = torch.randn((tokens, hidden), dtype=dt, device=DEV)
-        r = torch.randn((tokens, hidden), dtype=dt, device=DEV)
         w = torch.randn((hidden,), dtype=dt, device=DEV)
         gu = torch.randn((tokens, 2 * inter), dtype=dt, device=DEV)
         qkv = torch.randn((tokens, (NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM), dtype=dt, device=DEV)
@@ -205,7 +204,6 @@ def bench_elementwise() -> list[dict]:
         slots = torch.randperm(nblocks * BLOCK, device=DEV)[:tokens]
         ops = {
             "rms_norm": lambda m: m.rms_norm(x, w, 1e-5),
-            "add_rms_norm": lambda m: m.add_rms_norm(x, r, w, 1e-5),
             "rotary": lambda m: m.rotary(q, k, pos, table),
             "silu_mul": lambda m: m.silu_mul(gu),
             "write_kv_bf16": lambda m: m.write_kv(kv16, k, v, slots),

@@ -26,9 +26,6 @@ void bind_cuda(py::module_& parent) {
   m.def("rms_norm", &cuda::rms_norm, py::arg("out"), py::arg("x"), py::arg("x_stride"),
         py::arg("weight"), py::arg("rows"), py::arg("hidden"), py::arg("eps"), py::arg("dtype"),
         py::arg("stream"));
-  m.def("add_rms_norm", &cuda::add_rms_norm, py::arg("out"), py::arg("sum"), py::arg("x"),
-        py::arg("residual"), py::arg("weight"), py::arg("rows"), py::arg("hidden"),
-        py::arg("eps"), py::arg("dtype"), py::arg("stream"));
   m.def("rotary", &cuda::rotary, py::arg("q_out"), py::arg("k_out"), py::arg("q"),
         py::arg("q_stride_tok"), py::arg("q_stride_head"), py::arg("k"), py::arg("k_stride_tok"),
         py::arg("k_stride_head"), py::arg("positions"), py::arg("cos_sin"), py::arg("tokens"),

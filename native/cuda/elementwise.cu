@@ -1,4 +1,4 @@
-// Row-wise and element-wise kernels: rms_norm, add_rms_norm, rotary, silu_mul.
+// Row-wise and element-wise kernels: rms_norm, rotary, silu_mul.
 // All are memory-bound: 16-byte vector loads/stores, math in float32, and the
 // reference's intermediate roundings reproduced so results match it closely.
 #include "common.cuh"
@@ -20,17 +20,14 @@ __device__ __forceinline__ float block_sum(float x) {
   return warp_sum(x);  // every warp reduces the partials itself: no second barrier
 }
 
-// One block per row. With kAdd, sum = x + residual (rounded to T, as the
-// reference adds in T) is stored first and normalized from there. With
-// kVec > 0 (rows of at most kVec * 8 * blockDim elements) each thread keeps
-// its kVec vectors of the row in registers and loads its weights before the
-// reduction, so the row costs one round trip to memory; kVec == 0 loops over
-// any width and re-reads (each thread only what it wrote).
-template <typename T, bool kAdd, int kVec>
+// One block per row. With kVec > 0 (rows of at most kVec * 8 * blockDim
+// elements) each thread keeps its kVec vectors of the row in registers and
+// loads its weights before the reduction, so the row costs one round trip to
+// memory; kVec == 0 loops over any width and reads the row twice.
+template <typename T, int kVec>
 __global__ void __launch_bounds__(kNormThreads)
-rms_norm_kernel(T* __restrict__ out, T* __restrict__ sum, const T* __restrict__ x,
-                std::int64_t x_stride, const T* __restrict__ residual, const T* __restrict__ weight,
-                int hidden, float eps) {
+rms_norm_kernel(T* __restrict__ out, const T* __restrict__ x, std::int64_t x_stride,
+                const T* __restrict__ weight, int hidden, float eps) {
   launch_dependents();
   const std::int64_t row = blockIdx.x;
   const T* xr = x + row * x_stride;
@@ -45,13 +42,6 @@ rms_norm_kernel(T* __restrict__ out, T* __restrict__ sum, const T* __restrict__ 
       if (i < nvec) {
         wraw[v] = __ldg(reinterpret_cast<const uint4*>(weight) + i);
         unpack8<T>(*reinterpret_cast<const uint4*>(xr + 8 * i), f[v]);
-        if (kAdd) {
-          float r[8];
-          unpack8<T>(*reinterpret_cast<const uint4*>(residual + row * hidden + 8 * i), r);
-#pragma unroll
-          for (int e = 0; e < 8; ++e) f[v][e] = round_to<T>(f[v][e] + r[e]);
-          *reinterpret_cast<uint4*>(sum + row * hidden + 8 * i) = pack8<T>(f[v]);
-        }
 #pragma unroll
         for (int e = 0; e < 8; ++e) ss += f[v][e] * f[v][e];
       }
@@ -72,21 +62,13 @@ rms_norm_kernel(T* __restrict__ out, T* __restrict__ sum, const T* __restrict__ 
     for (int i = threadIdx.x; i < nvec; i += blockDim.x) {
       float f[8];
       unpack8<T>(*reinterpret_cast<const uint4*>(xr + 8 * i), f);
-      if (kAdd) {
-        float r[8];
-        unpack8<T>(*reinterpret_cast<const uint4*>(residual + row * hidden + 8 * i), r);
-#pragma unroll
-        for (int e = 0; e < 8; ++e) f[e] = round_to<T>(f[e] + r[e]);
-        *reinterpret_cast<uint4*>(sum + row * hidden + 8 * i) = pack8<T>(f);
-      }
 #pragma unroll
       for (int e = 0; e < 8; ++e) ss += f[e] * f[e];
     }
     const float inv = rsqrtf(block_sum(ss) / static_cast<float>(hidden) + eps);
-    const T* src = kAdd ? sum + row * hidden : xr;
     for (int i = threadIdx.x; i < nvec; i += blockDim.x) {
       float f[8], w[8];
-      unpack8<T>(*reinterpret_cast<const uint4*>(src + 8 * i), f);
+      unpack8<T>(*reinterpret_cast<const uint4*>(xr + 8 * i), f);
       unpack8<T>(*reinterpret_cast<const uint4*>(weight + 8 * i), w);
 #pragma unroll
       for (int e = 0; e < 8; ++e) f[e] = w[e] * round_to<T>(f[e] * inv);
@@ -96,19 +78,19 @@ rms_norm_kernel(T* __restrict__ out, T* __restrict__ sum, const T* __restrict__ 
 }
 
 // Launches the register variant for rows of up to 4 vectors per thread.
-template <typename T, bool kAdd>
-void launch_norm(T* out, T* sum, const T* x, std::int64_t x_stride, const T* residual,
-                 const T* weight, std::int64_t rows, int hidden, float eps, cudaStream_t s) {
+template <typename T>
+void launch_norm(T* out, const T* x, std::int64_t x_stride, const T* weight, std::int64_t rows,
+                 int hidden, float eps, cudaStream_t s) {
   const int per_thread = ceil_div(hidden / 8, kNormThreads);
   const unsigned grid = static_cast<unsigned>(rows);
   if (per_thread <= 1) {
-    rms_norm_kernel<T, kAdd, 1><<<grid, kNormThreads, 0, s>>>(out, sum, x, x_stride, residual, weight, hidden, eps);
+    rms_norm_kernel<T, 1><<<grid, kNormThreads, 0, s>>>(out, x, x_stride, weight, hidden, eps);
   } else if (per_thread <= 2) {
-    rms_norm_kernel<T, kAdd, 2><<<grid, kNormThreads, 0, s>>>(out, sum, x, x_stride, residual, weight, hidden, eps);
+    rms_norm_kernel<T, 2><<<grid, kNormThreads, 0, s>>>(out, x, x_stride, weight, hidden, eps);
   } else if (per_thread <= 4) {
-    rms_norm_kernel<T, kAdd, 4><<<grid, kNormThreads, 0, s>>>(out, sum, x, x_stride, residual, weight, hidden, eps);
+    rms_norm_kernel<T, 4><<<grid, kNormThreads, 0, s>>>(out, x, x_stride, weight, hidden, eps);
   } else {
-    rms_norm_kernel<T, kAdd, 0><<<grid, kNormThreads, 0, s>>>(out, sum, x, x_stride, residual, weight, hidden, eps);
+    rms_norm_kernel<T, 0><<<grid, kNormThreads, 0, s>>>(out, x, x_stride, weight, hidden, eps);
   }
 }
 
@@ -205,27 +187,11 @@ void rms_norm(std::uintptr_t out, std::uintptr_t x, std::int64_t x_stride, std::
   if (rows == 0) return;
   dispatch_16bit(dtype, [&](auto tag) {
     using T = decltype(tag);
-    launch_norm<T, false>(reinterpret_cast<T*>(out), nullptr, reinterpret_cast<const T*>(x),
-                          x_stride, nullptr, reinterpret_cast<const T*>(weight), rows,
-                          static_cast<int>(hidden), eps, as_stream(stream));
+    launch_norm<T>(reinterpret_cast<T*>(out), reinterpret_cast<const T*>(x), x_stride,
+                   reinterpret_cast<const T*>(weight), rows, static_cast<int>(hidden), eps,
+                   as_stream(stream));
   });
   check_launch("rms_norm_kernel");
-}
-
-void add_rms_norm(std::uintptr_t out, std::uintptr_t sum, std::uintptr_t x, std::uintptr_t residual,
-                  std::uintptr_t weight, std::int64_t rows, std::int64_t hidden, float eps,
-                  DType dtype, std::uintptr_t stream) {
-  require_16bit(dtype, "add_rms_norm");
-  require(hidden % 8 == 0, "add_rms_norm: hidden must be a multiple of 8");
-  if (rows == 0) return;
-  dispatch_16bit(dtype, [&](auto tag) {
-    using T = decltype(tag);
-    launch_norm<T, true>(reinterpret_cast<T*>(out), reinterpret_cast<T*>(sum),
-                         reinterpret_cast<const T*>(x), hidden, reinterpret_cast<const T*>(residual),
-                         reinterpret_cast<const T*>(weight), rows, static_cast<int>(hidden), eps,
-                         as_stream(stream));
-  });
-  check_launch("add_rms_norm_kernel");
 }
 
 void rotary(std::uintptr_t q_out, std::uintptr_t k_out, std::uintptr_t q, std::int64_t q_stride_tok,

@@ -18,11 +18,6 @@ enum class DType : int { kF32 = 0, kF16 = 1, kBF16 = 2, kI8 = 3 };
 void rms_norm(std::uintptr_t out, std::uintptr_t x, std::int64_t x_stride, std::uintptr_t weight,
               std::int64_t rows, std::int64_t hidden, float eps, DType dtype, std::uintptr_t stream);
 
-// sum = x + residual; out = rms_norm(sum). x, residual, out, sum contiguous.
-void add_rms_norm(std::uintptr_t out, std::uintptr_t sum, std::uintptr_t x, std::uintptr_t residual,
-                  std::uintptr_t weight, std::int64_t rows, std::int64_t hidden, float eps,
-                  DType dtype, std::uintptr_t stream);
-
 // Half-rotation rotary embedding of q [T, nh, d] and k [T, nkv, d] (token and
 // head strides in elements, dims contiguous) into contiguous q_out, k_out.
 // cos_sin: float32 [max_pos, d] = cat(cos, sin) of d/2 frequencies.

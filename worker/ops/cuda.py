@@ -143,27 +143,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *,
     return out
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *,
-                 out: Optional[torch.Tensor] = None,
-                 sum_out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    h = x.shape[-1]
-    if not (_native_ok(x, residual, weight) and x.dtype in _HALF and residual.dtype == x.dtype
-            and weight.dtype == x.dtype and residual.shape == x.shape
-            and weight.is_contiguous() and h % 8 == 0 and x.numel() > 0):
-        return reference.add_rms_norm(x, residual, weight, eps)
-    x = x.contiguous()
-    residual = residual.contiguous()
-    if out is None:
-        out = torch.empty_like(x)
-    if sum_out is None:
-        sum_out = torch.empty_like(x)
-    with _on_device(x):
-        _k.add_rms_norm(out.data_ptr(), sum_out.data_ptr(), x.data_ptr(), residual.data_ptr(),
-                        weight.data_ptr(), x.numel() // h, h, float(eps), _DTYPES[x.dtype],
-                        _stream(x))
-    return out, sum_out
-
-
 # -------------------------------------------------------------- rotary
 def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, *,
            q_out: Optional[torch.Tensor] = None,

@@ -19,13 +19,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * y.to(x.dtype)
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (rms_norm(x + residual), x + residual)."""
-    s = x + residual
-    return rms_norm(s, weight, eps), s
-
-
 def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
            cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Half-rotation rotary embedding (pairs j and j + head_dim/2).

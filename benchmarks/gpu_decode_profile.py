@@ -110,7 +110,7 @@ def bench_attention() -> list[dict]:
 CONFIGS = [
     ("default", {}),
     ("GEMV not programmatic", {"PDL": False}),
-    ("norm, silu, add apart", {"FUSED_GEMV": False}),
+    ("norm, silu, add, rotary apart", {"FUSED_GEMV": False}),
     ("GEMV for every projection", {"GEMV_MAX_ROWS": 8, "GEMV_MAX_K": 1 << 30}),
     ("no GEMV (cuBLAS)", {"GEMV_MAX_ROWS": 0}),
     ("split-K reduce kernel", {"FUSED_SPLITK_COMBINE": False}),

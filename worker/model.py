@@ -66,14 +66,10 @@ class LlamaModel:
         residual = self.embed[input_ids]
         eps = cfg.rms_norm_eps
         for layer, layer_kv in zip(self.layers, kv.layers):
-            qkv = ops.linear(residual, layer["qkv"], norm=(layer["attn_norm"], eps))
-            q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-            q = q.reshape(t, cfg.num_heads, cfg.head_dim)
-            k = k.reshape(t, cfg.num_kv_heads, cfg.head_dim)
-            v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
-            # rotary, then k and v into the pool (one launch on CUDA)
-            q = ops.rotary_write_kv(q, k, v, batch.positions, self.cos_sin, layer_kv,
-                                    batch.slot_mapping)
+            # norm, qkv projection, rotary, k and v into the pool
+            q = ops.qkv_rotary_write_kv(residual, layer["qkv"], (layer["attn_norm"], eps),
+                                        batch.positions, self.cos_sin, layer_kv,
+                                        batch.slot_mapping, cfg.num_heads)
             attn = ops.paged_attention(q, layer_kv, batch, self.scale)
             ops.linear(attn.reshape(t, cfg.q_size), layer["o"], residual=residual)
             act = ops.linear(residual, layer["gate_up"], norm=(layer["mlp_norm"], eps), silu=True)

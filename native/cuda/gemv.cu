@@ -10,6 +10,8 @@
 // R are, so a row's result does not depend on the batch it is in. At batch 1
 // the decoder layer is six launches: these fusions remove the norm, add and
 // silu_mul kernels (and their launch gaps) between the projections.
+#include <type_traits>
+
 #include "common.cuh"
 
 namespace turbomq {
@@ -66,20 +68,39 @@ __device__ __forceinline__ void load_weights(uint4 (&wv)[kU][R], const uint4* co
 // own copy, cheaper than a launch); the epilogue may add the result into y
 // in place (the residual stream: y = y + x w^T, rounded as the separate add
 // rounds) or pair rows c and c + N of w and write silu(x w_c) * (x w_{c+N})
-// (the gate/up projection fused with silu_mul).
+// (the gate/up projection fused with silu_mul), or, for the qkv projection,
+// pair rows j and j + d/2 of each head, rotate q and k and store q, and k and
+// v into the paged cache (rotary_write_kv fused in, 16-bit caches).
 enum class Prologue { kNone, kRmsNorm };
-enum class Epilogue { kStore, kAddInto, kSiluMul };
+enum class Epilogue { kStore, kAddInto, kSiluMul, kRopeKV };
+
+// kRopeKV: where the rotated heads go.
+struct RopeKV {
+  const std::int64_t* positions;  // [rows]
+  const float* cos_sin;           // [max_pos, d] = cat(cos, sin)
+  const std::int64_t* slots;      // [rows]; negative: not stored
+  void* k_cache;                  // [blocks, nkv, block_size, d]
+  void* v_cache;
+  int num_heads, num_kv_heads, head_dim, block_size;
+};
 
 template <typename T>
 struct GemvArgs {
   T* y;
   const T* x;
   const T* w;
-  int n_out;  // output columns (kSiluMul: w has 2 * n_out rows)
+  int n_out;  // output columns (kSiluMul: w has 2 * n_out rows; kRopeKV: row pairs)
   int k_in;
   const T* norm_w;  // kRmsNorm
   float eps;
+  RopeKV rope;  // kRopeKV; y is q [rows, num_heads, d]
 };
+
+// Rows j and j + d/2 of one head: the rotation pair p.
+__device__ __forceinline__ int rope_row(int p, int head_dim) {
+  const int half = head_dim / 2;
+  return (p / half) * head_dim + p % half;
+}
 
 // x is read only after grid_dependency_wait (the previous kernel may still be
 // writing it when this one starts): through L2 (__ldcg), staged once per
@@ -87,7 +108,9 @@ struct GemvArgs {
 template <typename T, int M, int R, int W, bool kSmemX, Prologue P, Epilogue E>
 __global__ void __launch_bounds__(W * 32) gemv_kernel(const GemvArgs<T> a) {
   static_assert(P == Prologue::kNone || kSmemX, "the norm prologue works on staged x");
-  static_assert(E != Epilogue::kSiluMul || R == 2, "silu_mul pairs two rows per warp");
+  static_assert((E != Epilogue::kSiluMul && E != Epilogue::kRopeKV) || R == 2,
+                "silu_mul and rope pair two rows per warp");
+  constexpr bool kPaired = E == Epilogue::kSiluMul || E == Epilogue::kRopeKV;
   constexpr int kThreads = W * 32;
   constexpr int kU = kInFlight / R;  // chunks per row per iteration
   extern __shared__ uint4 xs[];      // [M][kv] with kSmemX
@@ -96,13 +119,19 @@ __global__ void __launch_bounds__(W * 32) gemv_kernel(const GemvArgs<T> a) {
   const int lane = threadIdx.x % 32;
   const int warp_id = blockIdx.x * W + threadIdx.x / 32;
   // First output column of this warp (may be past n_out: no writes) and its weight rows.
-  const int n0 = E == Epilogue::kSiluMul ? warp_id : warp_id * R;
+  const int n0 = kPaired ? warp_id : warp_id * R;
   const int kv = a.k_in / 8;  // 16-byte chunks per row
   const uint4* wr[R];
 #pragma unroll
   for (int r = 0; r < R; ++r) {
-    const int row = E == Epilogue::kSiluMul ? min(n0, a.n_out - 1) + r * a.n_out
-                                            : min(n0 + r, a.n_out - 1);
+    int row;
+    if constexpr (E == Epilogue::kSiluMul) {
+      row = min(n0, a.n_out - 1) + r * a.n_out;
+    } else if constexpr (E == Epilogue::kRopeKV) {
+      row = rope_row(min(n0, a.n_out - 1), a.rope.head_dim) + r * (a.rope.head_dim / 2);
+    } else {
+      row = min(n0 + r, a.n_out - 1);
+    }
     wr[r] = reinterpret_cast<const uint4*>(a.w) + static_cast<std::int64_t>(row) * kv;
   }
   uint4 wv[kU][R];
@@ -191,7 +220,39 @@ __global__ void __launch_bounds__(W * 32) gemv_kernel(const GemvArgs<T> a) {
   for (int m = 0; m < M; ++m)
 #pragma unroll
     for (int r = 0; r < R; ++r) acc[m][r] = warp_sum(acc[m][r]);
-  if constexpr (E == Epilogue::kSiluMul) {
+  if constexpr (E == Epilogue::kRopeKV) {
+    // Lane m rotates (m, pair n0) as rotary does (products and sum rounded
+    // apart) and stores it as rotary_write_kv would.
+    const RopeKV& rp = a.rope;
+    const int half = rp.head_dim / 2, head = n0 / half, j = n0 % half;
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      if (lane != m || n0 >= a.n_out) continue;
+      float lo = round_to<T>(acc[m][0]), hi = round_to<T>(acc[m][1]);
+      if (head < rp.num_heads + rp.num_kv_heads) {
+        const float* cs = rp.cos_sin + rp.positions[m] * rp.head_dim;
+        const float c = cs[j], sn = cs[half + j];
+        const float l = __fadd_rn(__fmul_rn(lo, c), __fmul_rn(-hi, sn));
+        hi = __fadd_rn(__fmul_rn(hi, c), __fmul_rn(lo, sn));
+        lo = l;
+      }
+      T* dst;
+      if (head < rp.num_heads) {
+        dst = a.y + (static_cast<std::int64_t>(m) * rp.num_heads + head) * rp.head_dim;
+      } else {
+        const std::int64_t slot = rp.slots[m];
+        if (slot < 0) continue;
+        const bool is_k = head < rp.num_heads + rp.num_kv_heads;
+        const int kvh = head - rp.num_heads - (is_k ? 0 : rp.num_kv_heads);
+        const std::int64_t block = slot / rp.block_size;
+        dst = static_cast<T*>(is_k ? rp.k_cache : rp.v_cache) +
+              ((block * rp.num_kv_heads + kvh) * rp.block_size + slot % rp.block_size) *
+                  rp.head_dim;
+      }
+      dst[j] = from_float<T>(lo);
+      dst[j + half] = from_float<T>(hi);
+    }
+  } else if constexpr (E == Epilogue::kSiluMul) {
     // Lane m writes (m, n0): silu rounded to T before the product, as silu_mul.
 #pragma unroll
     for (int m = 0; m < M; ++m) {
@@ -221,8 +282,9 @@ bool g_programmatic_launch = true;
 
 template <typename T, int M, int W, bool kSmemX, Prologue P, Epilogue E>
 void launch_gemv_x(const GemvArgs<T>& a, cudaStream_t s) {
-  constexpr int R = (E == Epilogue::kSiluMul || M > 2) ? 2 : 1;
-  constexpr int kColsPerWarp = E == Epilogue::kSiluMul ? 1 : R;
+  constexpr bool kPaired = E == Epilogue::kSiluMul || E == Epilogue::kRopeKV;
+  constexpr int R = (kPaired || M > 2) ? 2 : 1;
+  constexpr int kColsPerWarp = kPaired ? 1 : R;
   auto kernel = gemv_kernel<T, M, R, W, kSmemX, P, E>;
   const std::size_t smem = kSmemX ? static_cast<std::size_t>(M) * a.k_in * sizeof(T) : 0;
   if (smem > 48 * 1024) {
@@ -306,30 +368,68 @@ void dispatch_gemv(const GemvArgs<T>& a, int m, bool norm, GemvEpilogue epilogue
 void set_programmatic_launch(bool on) { g_programmatic_launch = on; }
 bool programmatic_launch() { return g_programmatic_launch; }
 
-void gemv(std::uintptr_t y, std::uintptr_t x, std::uintptr_t w, std::int64_t rows,
-          std::int64_t n_out, std::int64_t k_in, DType dtype, std::uintptr_t stream,
-          std::uintptr_t norm_weight, float eps, GemvEpilogue epilogue) {
+namespace {
+
+void check_gemv_args(std::uintptr_t x, std::uintptr_t w, std::int64_t rows, std::int64_t n_out,
+                     std::int64_t k_in, DType dtype, std::uintptr_t norm_weight) {
   require(dtype == DType::kF16 || dtype == DType::kBF16, "gemv: dtype must be float16 or bfloat16");
   require(rows >= 1 && rows <= kGemvMaxRows, "gemv: rows must be 1..8");
   require(k_in > 0 && k_in % 8 == 0 && n_out > 0, "gemv: K must be a positive multiple of 8");
   require(x % 16 == 0 && w % 16 == 0 && norm_weight % 16 == 0,
           "gemv: x, w and the norm weight must be 16-byte aligned");
   require(n_out < (1LL << 30) && k_in < (1LL << 31), "gemv: sizes too large");
-  cudaStream_t s = as_stream(stream);
-  const int m = static_cast<int>(rows);
-  const bool norm = norm_weight != 0;
+}
+
+// Builds the arguments for T and runs f(args).
+template <typename F>
+void with_gemv_args(DType dtype, std::uintptr_t y, std::uintptr_t x, std::uintptr_t w,
+                    std::int64_t n_out, std::int64_t k_in, std::uintptr_t norm_weight, float eps,
+                    const RopeKV& rope, F&& f) {
   auto run = [&](auto tag) {
     using T = decltype(tag);
-    const GemvArgs<T> a{reinterpret_cast<T*>(y), reinterpret_cast<const T*>(x),
-                        reinterpret_cast<const T*>(w), static_cast<int>(n_out),
-                        static_cast<int>(k_in), reinterpret_cast<const T*>(norm_weight), eps};
-    dispatch_gemv<T>(a, m, norm, epilogue, s);
+    f(GemvArgs<T>{reinterpret_cast<T*>(y), reinterpret_cast<const T*>(x),
+                  reinterpret_cast<const T*>(w), static_cast<int>(n_out), static_cast<int>(k_in),
+                  reinterpret_cast<const T*>(norm_weight), eps, rope});
   };
   if (dtype == DType::kF16) {
     run(__half{});
   } else {
     run(__nv_bfloat16{});
   }
+}
+
+}  // namespace
+
+void gemv(std::uintptr_t y, std::uintptr_t x, std::uintptr_t w, std::int64_t rows,
+          std::int64_t n_out, std::int64_t k_in, DType dtype, std::uintptr_t stream,
+          std::uintptr_t norm_weight, float eps, GemvEpilogue epilogue) {
+  check_gemv_args(x, w, rows, n_out, k_in, dtype, norm_weight);
+  with_gemv_args(dtype, y, x, w, n_out, k_in, norm_weight, eps, RopeKV{}, [&](const auto& a) {
+    dispatch_gemv(a, static_cast<int>(rows), norm_weight != 0, epilogue, as_stream(stream));
+  });
+}
+
+void gemv_qkv_rope(std::uintptr_t q_out, std::uintptr_t x, std::uintptr_t w, std::int64_t rows,
+                   std::int64_t k_in, std::uintptr_t norm_weight, float eps,
+                   std::uintptr_t positions, std::uintptr_t cos_sin, std::uintptr_t slot_mapping,
+                   std::uintptr_t k_cache, std::uintptr_t v_cache, int num_heads,
+                   int num_kv_heads, int head_dim, int block_size, DType dtype,
+                   std::uintptr_t stream) {
+  require(norm_weight != 0, "gemv_qkv_rope: takes the norm weight");
+  require(rows <= kGemvMaxFusedRows, "gemv_qkv_rope: at most 4 rows");
+  require(head_dim % 2 == 0 && block_size > 0, "gemv_qkv_rope: bad head_dim or block_size");
+  const std::int64_t pairs = static_cast<std::int64_t>(num_heads + 2 * num_kv_heads) * head_dim / 2;
+  check_gemv_args(x, w, rows, pairs, k_in, dtype, norm_weight);
+  const RopeKV rope{reinterpret_cast<const std::int64_t*>(positions),
+                    reinterpret_cast<const float*>(cos_sin),
+                    reinterpret_cast<const std::int64_t*>(slot_mapping),
+                    reinterpret_cast<void*>(k_cache), reinterpret_cast<void*>(v_cache),
+                    num_heads, num_kv_heads, head_dim, block_size};
+  with_gemv_args(dtype, q_out, x, w, pairs, k_in, norm_weight, eps, rope, [&](const auto& a) {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(a.x)>>;
+    dispatch_rows<T, Prologue::kRmsNorm, Epilogue::kRopeKV>(a, static_cast<int>(rows),
+                                                            as_stream(stream));
+  });
 }
 
 }  // namespace cuda

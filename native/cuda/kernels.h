@@ -79,6 +79,18 @@ void gemv(std::uintptr_t y, std::uintptr_t x, std::uintptr_t w, std::int64_t row
           std::uintptr_t norm_weight = 0, float eps = 0.0f,
           GemvEpilogue epilogue = GemvEpilogue::kStore);
 
+// The qkv projection of decode at 1-4 rows with rms_norm in front and
+// rotary_write_kv behind, in one launch: w [(nh + 2 nkv) * d, K]; q_out
+// [rows, nh, d] gets rotated q; rotated k and v go to the 16-bit paged caches
+// at slot_mapping (int64, negative: skipped), exactly as rotary_write_kv
+// stores them. positions int64 [rows]; cos_sin float32 [max_pos, d].
+void gemv_qkv_rope(std::uintptr_t q_out, std::uintptr_t x, std::uintptr_t w, std::int64_t rows,
+                   std::int64_t k_in, std::uintptr_t norm_weight, float eps,
+                   std::uintptr_t positions, std::uintptr_t cos_sin, std::uintptr_t slot_mapping,
+                   std::uintptr_t k_cache, std::uintptr_t v_cache, int num_heads,
+                   int num_kv_heads, int head_dim, int block_size, DType dtype,
+                   std::uintptr_t stream);
+
 // Paged attention over block tables, decode and prefill-with-history alike.
 // A "tile" is up to 16 rows (query token, query head) of one sequence sharing
 // one KV head. tiles: int32 [num_tiles, 2] = (sequence, row tile), or 0 when

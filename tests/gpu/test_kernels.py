@@ -189,6 +189,38 @@ def test_rotary_write_kv(dtype, quantized, tokens, nh, nkv, d, bs, gen):
         assert torch.equal(kv.k, expect.k) and torch.equal(kv.v, expect.v)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("nh,nkv,d,bs,hidden", [(32, 8, 128, 64, 4096), (8, 2, 64, 16, 1024)])
+@pytest.mark.parametrize("skip_slot", [False, True])
+def test_qkv_rotary_write_kv_fused(dtype, nh, nkv, d, bs, hidden, skip_slot, gen):
+    """One GEMV launch (norm, qkv projection, rotary, KV write) equals the
+    same ops launched apart, bit for bit, and the reference within tolerance."""
+    num_blocks = 5
+    kv = make_pool(num_blocks, nkv, bs, d, dtype, gen)
+    apart, expect = clone_kv(kv), clone_kv(kv)
+    x = randn((1, hidden), dtype, gen)
+    w = randn(((nh + 2 * nkv) * d, hidden), dtype, gen, 0.05)
+    norm = (randn((hidden,), dtype, gen), 1e-5)
+    table = cos_sin_table(4096, d)
+    positions = torch.randint(0, 4096, (1,), generator=gen, device=DEV)
+    slots = torch.randint(0, num_blocks * bs, (1,), generator=gen, device=DEV)
+    if skip_slot:
+        slots[0] = -1
+    args = (positions, table)
+    got = cuda_ops.qkv_rotary_write_kv(x, w, norm, *args, kv, slots, nh,
+                                       out=poisoned((1, nh, d), dtype))
+    cuda_ops.FUSED_GEMV = False
+    try:
+        want = cuda_ops.qkv_rotary_write_kv(x, w, norm, *args, apart, slots, nh)
+    finally:
+        cuda_ops.FUSED_GEMV = True
+    eq = ref.qkv_rotary_write_kv(x, w, norm, *args, expect, slots, nh)
+    assert torch.equal(got, want)
+    assert torch.equal(kv.k, apart.k) and torch.equal(kv.v, apart.v)
+    assert rel_err(got, eq) < TOL[dtype]
+    assert rel_err(kv.k, expect.k) < TOL[dtype] and rel_err(kv.v, expect.v) < TOL[dtype]
+
+
 @pytest.mark.parametrize("quantized", [False, True])
 def test_rotary_write_kv_skips_negative_slots(quantized, gen):
     dtype, tokens, nh, nkv, d, bs, num_blocks = torch.bfloat16, 6, 8, 2, 128, 16, 4

@@ -313,6 +313,42 @@ def linear(x: torch.Tensor, weight: torch.Tensor, *,
     return out
 
 
+def qkv_rotary_write_kv(x: torch.Tensor, weight: torch.Tensor, norm: tuple[torch.Tensor, float],
+                        positions: torch.Tensor, cos_sin: torch.Tensor, kv: LayerKV,
+                        slot_mapping: torch.Tensor, num_heads: int, *,
+                        out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """As reference.qkv_rotary_write_kv. At one row with a 16-bit pool (decode
+    at batch 1) one GEMV launch does it all: norm in front, rotary and the KV
+    write behind. Otherwise linear() then rotary_write_kv()."""
+    t, k_in = x.shape
+    nkv, bs, d = kv.k.shape[1:]
+    fused = (FUSED_GEMV and 0 < t <= FUSED_GEMV_MAX_ROWS and _native_ok(x, weight, kv.k)
+             and x.dtype in _HALF and weight.dtype == x.dtype and kv.k.dtype == x.dtype
+             and norm[0].dtype == x.dtype and norm[0].is_contiguous()
+             and norm[0].data_ptr() % 16 == 0 and t * k_in * 2 <= _k.GEMV_SMEM_BYTES
+             and weight.is_contiguous() and weight.data_ptr() % 16 == 0
+             and weight.shape == ((num_heads + 2 * nkv) * d, k_in) and k_in % 8 == 0
+             and x.is_contiguous() and x.data_ptr() % 16 == 0
+             and kv.k.is_contiguous() and kv.v.is_contiguous()
+             and cos_sin.dtype == torch.float32 and cos_sin.is_contiguous()
+             and cos_sin.shape[-1] == d)
+    if not fused:
+        qkv = linear(x, weight, norm=norm)
+        q, k, v = qkv.split([num_heads * d, nkv * d, nkv * d], dim=-1)
+        return rotary_write_kv(q.reshape(t, num_heads, d), k.reshape(t, nkv, d),
+                               v.reshape(t, nkv, d), positions, cos_sin, kv, slot_mapping)
+    positions = positions.to(torch.int64).contiguous()
+    slots = slot_mapping.to(torch.int64).contiguous()
+    if out is None:
+        out = torch.empty((t, num_heads, d), dtype=x.dtype, device=x.device)
+    with _on_device(x):
+        _k.gemv_qkv_rope(out.data_ptr(), x.data_ptr(), weight.data_ptr(), t, k_in,
+                         norm[0].data_ptr(), float(norm[1]), positions.data_ptr(),
+                         cos_sin.data_ptr(), slots.data_ptr(), kv.k.data_ptr(), kv.v.data_ptr(),
+                         num_heads, nkv, d, bs, _DTYPES[x.dtype], _stream(x))
+    return out
+
+
 def _linear_unfused(x: torch.Tensor, weight: torch.Tensor,
                     norm: Optional[tuple[torch.Tensor, float]], silu: bool,
                     residual: Optional[torch.Tensor], native: Optional[bool]) -> torch.Tensor:

@@ -44,6 +44,19 @@ def rotary_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
     return q
 
 
+def qkv_rotary_write_kv(x: torch.Tensor, weight: torch.Tensor, norm: tuple[torch.Tensor, float],
+                        positions: torch.Tensor, cos_sin: torch.Tensor, kv: LayerKV,
+                        slot_mapping: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """The attention input of a decoder layer: the qkv projection of
+    rms_norm(x), rotary on q and k, k and v into the pool. Returns the
+    rotated q [T, num_heads, head_dim]."""
+    t, (nkv, d) = x.shape[0], kv.k.shape[1::2]
+    qkv = linear(x, weight, norm=norm)
+    q, k, v = qkv.split([num_heads * d, nkv * d, nkv * d], dim=-1)
+    return rotary_write_kv(q.reshape(t, num_heads, d), k.reshape(t, nkv, d),
+                           v.reshape(t, nkv, d), positions, cos_sin, kv, slot_mapping)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, *,
            norm: Optional[tuple[torch.Tensor, float]] = None, silu: bool = False,
            residual: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -75,7 +88,11 @@ def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def write_kv(kv: LayerKV, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Scatter new tokens' k/v ([T, nkv, d]) into their slots of the pool."""
+    """Scatter new tokens' k/v ([T, nkv, d]) into their slots of the pool;
+    tokens with a negative slot are not stored."""
+    keep = slot_mapping >= 0
+    if not bool(keep.all()):
+        slot_mapping, k, v = slot_mapping[keep], k[keep], v[keep]
     bs = kv.block_size
     blocks = slot_mapping // bs
     offsets = slot_mapping % bs

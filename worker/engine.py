@@ -172,6 +172,7 @@ class Engine:
         self._keys = itertools.count(1)
         self._wakeup = threading.Event()
         self._launched: Optional[_Launched] = None
+        self._token_turn = 0
         self._token_buffers = ([torch.empty(config.max_batch_size, dtype=torch.long, pin_memory=True)
                                 for _ in range(2)] if self.device.type == "cuda" else [])
         self._thread: Optional[threading.Thread] = None
@@ -181,7 +182,8 @@ class Engine:
         # metrics and heartbeats. plan is None when only the inbox was drained.
         self.step_observer: Optional[Callable[[Optional[StepPlan], float], None]] = None
         self.counters = {"requests_finished": 0, "prompt_tokens": 0, "generated_tokens": 0,
-                         "reused_tokens": 0, "reprefilled_tokens": 0, "steps": 0}
+                         "reused_tokens": 0, "reprefilled_tokens": 0, "steps": 0,
+                         "overlapped_steps": 0}
 
     # ------------------------------------------------------------------ sizing
     def _num_kv_blocks(self, kv_dtype: torch.dtype) -> int:
@@ -453,6 +455,8 @@ class Engine:
                 self._settle()
             return True
         start = time.perf_counter()
+        if prev is not None:
+            self.counters["overlapped_steps"] += 1
         try:
             self._launched = self._launch(plan, prev)
         except Exception as exc:  # a failed forward fails its requests, not the engine
@@ -471,13 +475,17 @@ class Engine:
     def _runs_ahead(self, plan: StepPlan) -> bool:
         """Whether `plan` may launch before the previous step's tokens are
         read: a decode graph step whose sampling needs no token history."""
-        graphs = self.decode_graphs
-        if not self.config.overlap_steps or graphs is None or plan.empty:
-            return False
+        return (self.config.overlap_steps and self._graphed(plan)
+                and all(i.seq.params.repetition_penalty == 1.0 for i in plan.scheduled))
+
+    def _graphed(self, plan: StepPlan) -> bool:
+        """A decode-only step (one sampled token per sequence) that a captured
+        graph runs."""
         items = plan.scheduled
-        return (all(i.num_new_tokens == 1 and i.samples
-                    and i.seq.params.repetition_penalty == 1.0 for i in items)
-                and graphs.fits(len(items), max(i.seq.num_computed + 1 for i in items)))
+        return (self.decode_graphs is not None and bool(items)
+                and all(i.num_new_tokens == 1 and i.samples for i in items)
+                and self.decode_graphs.fits(len(items),
+                                            max(i.seq.num_computed + 1 for i in items)))
 
     def _settle(self) -> None:
         launched, self._launched = self._launched, None
@@ -532,8 +540,7 @@ class Engine:
         tables = self.kv_manager.block_tables(keys, width)
         rows = [i for i, item in enumerate(plan.scheduled) if item.samples]
         graphs = self.decode_graphs
-        graphed = (graphs is not None and len(ids) == len(rows) == len(keys)
-                   and graphs.fits(len(ids), max(ctx_lens)))
+        graphed = self._graphed(plan)
         if graphed:
             logits = graphs.run(ids, ctx_lens, tables, prev_rows)  # decode-only step
         else:
@@ -555,7 +562,8 @@ class Engine:
             graphs.prev_tokens[:len(seqs)].copy_(tokens)  # the next step may read them here
         # Pinned, so the copy is asynchronous (into pageable memory it would
         # wait for this very step); two buffers, one per step in flight.
-        host = self._token_buffers[self.counters["steps"] % 2][:len(seqs)]
+        host = self._token_buffers[self._token_turn][:len(seqs)]
+        self._token_turn ^= 1
         host.copy_(tokens, non_blocking=True)
         ready = torch.cuda.Event()
         ready.record()

@@ -117,6 +117,7 @@ def test_overlapped_steps_equal_synchronous(tmp_path):
                  for t in range(3)]
         eng.kv_manager.check()
         assert not eng.has_work()
+        assert (eng.counters["overlapped_steps"] > 0) == overlap
         runs[overlap] = (outs, reasons, turns)
     assert runs[True] == runs[False]
     assert "stop" in runs[True][1] and "length" in runs[True][1]

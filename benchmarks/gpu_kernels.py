@@ -111,7 +111,7 @@ def attention_bytes(batch: int, ctx: int, kv_dtype: torch.dtype) -> int:
     return batch * ctx * per_token + qo + tables
 
 
-SWEEP_SIZES = [64, 128, 256, 512, 1024, 2048]
+SWEEP_SIZES = [64, 128, 256, 512, 1024, 2048, 4096]
 
 
 def bench_decode(copy_bw: float, sweep: list[dict]) -> list[dict]:
@@ -140,7 +140,7 @@ def bench_decode(copy_bw: float, sweep: list[dict]) -> list[dict]:
                                   "us": ts * 1e6, "GBps": nbytes / ts / 1e9})
             tiles = batch
             part, parts = cuda_ops.plan_partitions(tiles * NUM_KV_HEADS, ctx,
-                                                   cuda_ops._sm_count(DEV))
+                                                   cuda_ops._sm_count(DEV), int8=name == "int8")
             times[name] = t
             rows.append({
                 "kernel": "decode_attention", "kv": name, "batch": batch, "context": ctx,

@@ -18,6 +18,8 @@
 //     epilogue undoes.
 // INT8 KV is widened to 16-bit exactly (|q| <= 127) in registers; the
 // per-token K scale multiplies S, the V scale is folded into P.
+// With INT8 a warp loads its next 16-token group while it computes the
+// current one (half the bytes per group, so registers allow it).
 // Split-K: with several partitions each block writes its normalized partial
 // output, max and sum. The last block to finish a (tile, KV head) combines
 // them (an atomic counter per (tile, KV head), reset by that block, so a
@@ -284,11 +286,10 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const Params 
   const char* k_base = static_cast<const char*>(p.k_cache);
   const char* v_base = static_cast<const char*>(p.v_cache);
 
-  for (int base = k_begin + warp * kGroupTokens; base < k_end; base += kWarps * kGroupTokens) {
-    // Each lane loads token base + 8 * half + g; tokens past the range are
-    // clamped to a valid one (finite data) and masked below.
-    uint4 kraw[2][kJ], vraw[2][kJ];
-    float ks[2] = {1.0f, 1.0f}, vs[2] = {1.0f, 1.0f};
+  // Each lane loads token base + 8 * half + g of a 16-token group; tokens
+  // past the range are clamped to a valid one (finite data) and masked below.
+  auto load_group = [&](int base, uint4 (&kraw)[2][kJ], uint4 (&vraw)[2][kJ], float (&ks)[2],
+                        float (&vs)[2]) {
 #pragma unroll
     for (int t = 0; t < 2; ++t) {
       const int tok = min(base + 8 * t + g, k_end - 1);
@@ -303,10 +304,37 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const Params 
         kraw[t][j] = __ldg(reinterpret_cast<const uint4*>(kp + (4 * j + c) * 16));
         vraw[t][j] = __ldg(reinterpret_cast<const uint4*>(vp + (4 * j + c) * 16));
       }
+      ks[t] = vs[t] = 1.0f;
       if constexpr (kInt8) {
         ks[t] = __ldg(p.k_scale + row);
         vs[t] = __ldg(p.v_scale + row);
       }
+    }
+  };
+  // INT8 groups are half the bytes of 16-bit ones: each warp loads the next
+  // group while it computes this one, so as many bytes are in flight.
+  constexpr bool kPrefetch = kInt8;
+  constexpr int kStep = kWarps * kGroupTokens;
+  uint4 kraw[2][kJ], vraw[2][kJ], knext[2][kJ], vnext[2][kJ];
+  float ks[2], vs[2], ksnext[2], vsnext[2];
+  if (kPrefetch && k_begin + warp * kGroupTokens < k_end) {
+    load_group(k_begin + warp * kGroupTokens, knext, vnext, ksnext, vsnext);
+  }
+  for (int base = k_begin + warp * kGroupTokens; base < k_end; base += kStep) {
+    if constexpr (kPrefetch) {
+#pragma unroll
+      for (int t = 0; t < 2; ++t) {
+#pragma unroll
+        for (int j = 0; j < kJ; ++j) {
+          kraw[t][j] = knext[t][j];
+          vraw[t][j] = vnext[t][j];
+        }
+        ks[t] = ksnext[t];
+        vs[t] = vsnext[t];
+      }
+      if (base + kStep < k_end) load_group(base + kStep, knext, vnext, ksnext, vsnext);
+    } else {
+      load_group(base, kraw, vraw, ks, vs);
     }
 
     // S = Q K^T for the two 8-token halves; s[t][0..1]: row g, tokens

@@ -214,9 +214,11 @@ def test_qkv_rotary_write_kv_fused(dtype, nh, nkv, d, bs, hidden, skip_slot, gen
         want = cuda_ops.qkv_rotary_write_kv(x, w, norm, *args, apart, slots, nh)
     finally:
         cuda_ops.FUSED_GEMV = True
-    eq = ref.qkv_rotary_write_kv(x, w, norm, *args, expect, slots, nh)
     assert torch.equal(got, want)
     assert torch.equal(kv.k, apart.k) and torch.equal(kv.v, apart.v)
+    if skip_slot:  # the reference has no skipped slots; the kernels' contract
+        return
+    eq = ref.qkv_rotary_write_kv(x, w, norm, *args, expect, slots, nh)
     assert rel_err(got, eq) < TOL[dtype]
     assert rel_err(kv.k, expect.k) < TOL[dtype] and rel_err(kv.v, expect.v) < TOL[dtype]
 
@@ -302,7 +304,9 @@ def test_gemv_after_norm_in_graph(programmatic, gen):
 @pytest.mark.parametrize("n,k", [(4096, 4096), (1000, 14336), (40, 8), (515, 1032)])
 def test_gemv_fused(dtype, rows, mode, n, k, gen):
     """The norm prologue, silu_mul and add-into epilogues against the
-    reference composition (in float64), and batch invariance."""
+    reference composition in the same dtype (the same intermediate roundings;
+    in float64 a short K leaves them no room to average out), and batch
+    invariance."""
     if "norm" in mode and rows * k * 2 > cuda_ops._k.GEMV_SMEM_BYTES:
         pytest.skip("the fused norm needs x in shared memory")
     x = randn((rows, k), dtype, gen)
@@ -314,9 +318,8 @@ def test_gemv_fused(dtype, rows, mode, n, k, gen):
     out = None if residual is not None else poisoned((rows, n), dtype)
     got = cuda_ops.linear(x, w, norm=norm, silu=silu, residual=residual, out=out, native=True)
     assert got is (residual if residual is not None else out)
-    dnorm = (norm[0].double(), norm[1]) if norm else None
-    expect = ref.linear(x.double(), w.double(), norm=dnorm, silu=silu,
-                        residual=start.double() if start is not None else None)
+    expect = ref.linear(x, w, norm=norm, silu=silu,
+                        residual=start.clone() if start is not None else None)
     assert rel_err(got, expect) < TOL[dtype]
     last = start[rows - 1:].clone() if start is not None else None
     single = cuda_ops.linear(x[rows - 1:], w, norm=norm, silu=silu, residual=last, native=True)

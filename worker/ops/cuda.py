@@ -36,8 +36,12 @@ _k = getattr(_native_module, "cuda", None)
 # partitions >= 512 keys, since a block's fixed costs (q load, combining its
 # warps, the reduce) outweigh extra parallelism below that. Only a grid that
 # would not give every multiprocessor one block goes down to 64 keys (batch 1
-# over 256 keys: 9.3 us at 64 against 11.1 us at 128).
+# over 256 keys: 9.3 us at 64 against 11.1 us at 128). An INT8 pool aims for
+# 3 blocks per multiprocessor: its warps prefetch the next 16 keys, so longer
+# partitions keep more bytes in flight (32 x 4096: 123 us at 2048 keys
+# against 137 us at 1024).
 BLOCKS_PER_SM = 6
+BLOCKS_PER_SM_INT8 = 3
 MIN_PARTITION = 512
 MIN_PARTITION_TINY = 64
 
@@ -416,13 +420,15 @@ def _tiles(batch: AttentionBatch, group: int, device: torch.device):
 
 
 def plan_partitions(blocks: int, max_context: int, sm_count: int,
-                    partition_size: Optional[int] = None) -> tuple[int, int]:
-    """(partition_size, num_parts) for split-K over `blocks` (tiles x KV heads)."""
+                    partition_size: Optional[int] = None,
+                    int8: bool = False) -> tuple[int, int]:
+    """(partition_size, num_parts) for split-K over `blocks` (tiles x KV
+    heads); `int8`: the pool is INT8."""
     align = _k.ATTENTION_PARTITION_ALIGN if _k is not None else 64
     max_context = max(1, max_context)
     blocks = max(1, blocks)
     if partition_size is None:
-        parts = -(-BLOCKS_PER_SM * sm_count // blocks)
+        parts = -(-(BLOCKS_PER_SM_INT8 if int8 else BLOCKS_PER_SM) * sm_count // blocks)
         tiny = blocks * -(-max_context // MIN_PARTITION) < sm_count
         floor = MIN_PARTITION_TINY if tiny else MIN_PARTITION
         partition_size = max(floor, -(-max_context // parts))
@@ -454,7 +460,8 @@ def paged_attention(q: torch.Tensor, kv: LayerKV, batch: AttentionBatch, scale: 
         q = q.contiguous()
     tiles, num_tiles = _tiles(batch, nh // nkv, q.device)
     part_size, parts = plan_partitions(num_tiles * nkv, batch.max_context_len,
-                                       _sm_count(q.device), partition_size)
+                                       _sm_count(q.device), partition_size,
+                                       int8=kv.k.dtype == torch.int8)
     rows = _k.ATTENTION_TILE_ROWS
     if parts > 1:
         part_o = torch.empty(num_tiles * nkv * parts * rows * d, dtype=torch.float32, device=q.device)

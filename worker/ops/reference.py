@@ -88,11 +88,7 @@ def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def write_kv(kv: LayerKV, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Scatter new tokens' k/v ([T, nkv, d]) into their slots of the pool;
-    tokens with a negative slot are not stored."""
-    keep = slot_mapping >= 0
-    if not bool(keep.all()):
-        slot_mapping, k, v = slot_mapping[keep], k[keep], v[keep]
+    """Scatter new tokens' k/v ([T, nkv, d]) into their slots of the pool."""
     bs = kv.block_size
     blocks = slot_mapping // bs
     offsets = slot_mapping % bs

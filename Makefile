@@ -8,18 +8,21 @@ STAMP := $(VENV)/.turbomq-installed
 
 .PHONY: serve test setup sysdeps native cuda-check clean
 
-# Real redis-server, prometheus and docker-compose (to validate the compose file)
-# for the service and the tests (Debian packages).
+# Debian packages: libzmq (headers) for the broker's native data plane; a real
+# redis-server, prometheus and docker-compose (to validate the compose file)
+# for the service and the tests.
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 sysdeps:
 	@if ! command -v redis-server >/dev/null || ! command -v prometheus >/dev/null \
-	    || ! command -v docker-compose >/dev/null; then \
+	    || ! command -v docker-compose >/dev/null || [ ! -e /usr/include/zmq.h ]; then \
 	  $(SUDO) apt-get update -q && \
-	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q redis-server prometheus docker-compose; \
+	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q libzmq3-dev redis-server \
+	    prometheus docker-compose; \
 	fi
 
 # torch goes in first and pinned: pip would otherwise pull a multi-GB CUDA build.
-$(STAMP): pyproject.toml native/CMakeLists.txt
+# The native build needs libzmq, hence sysdeps first.
+$(STAMP): pyproject.toml native/CMakeLists.txt | sysdeps
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0

@@ -35,6 +35,7 @@ from pathlib import Path
 import msgpack
 import zmq
 
+from turbomq import _native
 from turbomq.broker.config import BrokerConfig
 from turbomq.clients import Client
 from turbomq.clients import protocol as P
@@ -365,6 +366,7 @@ def main(argv=None) -> int:
     result = {
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                     "pyzmq": zmq.__version__, "libzmq": zmq.zmq_version(),
+                    "broker_libzmq": _native.broker.zmq_version(),
                     "msgpack": ".".join(map(str, msgpack.version)),
                     "transport": head["transport"], "broker_spin_us": args.spin_us},
         # The headline transport's figures at the top level; every transport under "transports".
@@ -412,7 +414,8 @@ def render(r: dict) -> str:
     tp = r["throughput"]
     runs = "; ".join(f"{name}: direct {t['throughput']['runs_direct']}, brokered "
                      f"{t['throughput']['runs_brokered']}" for name, t in r["transports"].items())
-    rows.append(f"{m['cpus']} CPUs, Python {m['python']}, pyzmq {m['pyzmq']} (libzmq {m['libzmq']}), "
+    rows.append(f"{m['cpus']} CPUs, Python {m['python']}, pyzmq {m['pyzmq']} (libzmq {m['libzmq']}; "
+                f"the broker's native data plane: libzmq {m['broker_libzmq']}), "
                 f"msgpack {m['msgpack']}; tcp is loopback, ipc is unix domain sockets; broker "
                 f"`--spin-us {m['broker_spin_us']:g}`. Latency: {ROUNDS} alternating rounds per path. "
                 f"Throughput: {tp['streams']} streams x {tp['tokens_per_stream']:,} one-token "
@@ -437,21 +440,15 @@ compare rows of one run.
 
 MD_TAIL = """
 The issue 4 target is an added p50 of at most 100 µs with at least 50,000
-messages/s. The broker's figure is compared with the two reference hops above:
-with no logic at all, libzmq's C proxy already adds 65-100 µs here, depending
-on the machine's state, and a minimal blocking Python forwarder adds 40-60 µs
-more than that. `docs/broker.md` (Performance) says where the rest goes and
-what was changed.
+messages/s. The broker's loop is native (C++ over libzmq; `docs/broker.md`,
+Performance). The two reference hops above carry no broker logic: libzmq's C
+proxy is about the least a broker hop can add here, and the minimal Python
+forwarder is what a broker loop in Python pays before any logic at all.
 
-Spinning, A/B on the same code (`--spin-us 0` vs the default 250, fresh
-processes per run, alternated, median of the runs' added p50 / p99):
-ipc 161 -> 116 µs p50 and 219 -> 148 µs p99 (5 runs each), tcp 190 -> 170 µs
-p50 and 250 -> 220 µs p99 (4 runs each), during a slow spell of the machine
-(direct p50 150-220 µs). Throughput within the runs' spread either way.
-
-Earlier figures, same benchmark: 270.1 µs added p50 over tcp before the first
-hot-path work; 152.6 µs (tcp) and 143.1 µs (ipc) before the spinning loop and
-the one-call decoders (direct p50 then 160 / 121 µs, a quicker spell).
+Earlier figures, same benchmark, with the broker loop in Python: 121.2 µs
+(ipc) and 126.1 µs (tcp) added p50 at 80,588 and 77,988 messages/s in the
+last such run (C proxy in that run: 76.4 / 86.5 µs); 270.1 µs over tcp before
+any hot-path work.
 
 Reproduce: `.venv/bin/python benchmarks/broker_bench.py [--transport ipc,tcp]
 [--spin-us N]` (figures in `broker.json`: the first transport at the top level,

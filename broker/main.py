@@ -41,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-# BrokerStats names -> the catalogue's label values (docs/metrics.md).
+# Stats names -> the catalogue's label values (docs/metrics.md).
 _OUTCOMES = {"completed": "completed", "cancelled": "cancelled", "client_gone": "cancelled",
              "timeout": "timeout", "overloaded": "rejected", "no_workers": "rejected",
              "session_busy": "rejected", "duplicate_request": "rejected"}  # others: error
@@ -52,7 +52,7 @@ _REJECTS = {"bad_frame": "malformed", "unknown_kind": "unknown_type", "bad_versi
 
 class MetricsSync:
     """Copies the broker's own counters into BrokerMetrics once per tick (by
-    difference), so the routing loop pays nothing per message."""
+    difference), so the data plane pays nothing per message."""
 
     def __init__(self, metrics) -> None:
         self.m = metrics
@@ -64,20 +64,20 @@ class MetricsSync:
             (family.labels(**{label: value}) if label else family).inc(delta)
         self._last[key] = total
 
-    def tick(self, broker) -> None:
-        s, m = broker.stats, self.m
-        for name, n in s.outcomes.items():
+    def tick(self, stats: dict) -> None:
+        m = self.m
+        for name, n in stats["requests_by_outcome"].items():
             self._add(m.requests, "outcome", _OUTCOMES.get(name, "error"), "o:" + name, n)
-        for name, n in s.routing.items():
+        for name, n in stats["routing"].items():
             self._add(m.routing_decisions, "decision", _DECISIONS.get(name, "new"), "r:" + name, n)
-        for side, counts in (("c", s.frames_rejected), ("w", s.worker_frames_rejected)):
+        for side, counts in (("c", stats["frames_rejected"]), ("w", stats["worker_frames_rejected"])):
             for code, n in counts.items():
                 self._add(m.frames_rejected, "reason", _REJECTS.get(code, "invalid"),
                           f"f{side}:{code}", n)
-        self._add(m.redispatches, "", "", "redispatches", s.redispatches)
-        m.requests_in_flight.set(len(broker.requests))
-        m.queue_depth.set(len(broker.queue))
-        m.workers_alive.set(len(broker.workers))
+        self._add(m.redispatches, "", "", "redispatches", stats["redispatches"])
+        m.requests_in_flight.set(stats["inflight"])
+        m.queue_depth.set(stats["queue_depth"])
+        m.workers_alive.set(stats["workers_alive"])
 
     def finished(self, seconds: float) -> None:
         self.m.request_duration.observe(seconds)

@@ -1,0 +1,175 @@
+// The broker's data plane: one thread, two ROUTER sockets, all routing state.
+//
+// Clients (DEALER) talk to the front socket, workers (DEALER) to the back one.
+// docs/broker.md describes routing, heartbeats, re-dispatch and cancellation;
+// turbomq.broker wraps this class and keeps configuration, logging and
+// metrics in Python. Nothing here touches Python: the hooks do, rarely (a
+// frame the fast path does not accept, a log line, a tick).
+#pragma once
+
+#include <atomic>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <unordered_set>
+#include <vector>
+
+#include "broker_protocol.h"
+#include "msgpack_lite.h"
+
+namespace turbomq::broker {
+
+// turbomq.broker.BrokerConfig, passed down from Python.
+struct BrokerSettings {
+  std::string front = "tcp://127.0.0.1:5555";
+  std::string back = "tcp://127.0.0.1:5556";
+  double heartbeat_interval = 0.5;
+  int64_t liveness = 3;
+  int64_t queue_bound = 1024;
+  double client_timeout = 30.0;
+  double default_timeout = 300.0;
+  double cancel_grace = 2.0;
+  int64_t max_redispatch = 3;
+  int64_t send_hwm = 100000;
+  double spin_us = 250.0;
+  ProtocolLimits limits;
+  std::vector<std::string> retryable_codes;  // protocol.RETRYABLE_CODES
+};
+
+enum class Side { Client = 0, Worker = 1 };
+
+struct Rejection {
+  std::string code, message;
+  std::optional<std::string> request_id;
+};
+
+struct BrokerHooks {
+  // protocol.py's verdict on a frame the fast path did not accept: nullopt if valid.
+  std::function<std::optional<Rejection>(Side, std::string_view)> validate;
+  std::function<void(int level, const std::string&)> log;  // Python logging levels
+  // Once per tick: the stats snapshot (msgpack) and the durations of the
+  // requests finished since the last tick, in seconds.
+  std::function<void(const std::string&, const std::vector<double>&)> tick;
+  // Run pending signal handlers; false: stop.
+  std::function<bool()> check_signals;
+};
+
+class BrokerCore {
+ public:
+  BrokerCore(BrokerSettings settings, BrokerHooks hooks);
+  ~BrokerCore();
+  BrokerCore(const BrokerCore&) = delete;
+  BrokerCore& operator=(const BrokerCore&) = delete;
+
+  const std::string& front_endpoint() const { return front_endpoint_; }
+  const std::string& back_endpoint() const { return back_endpoint_; }
+
+  void run();                        // until stop()
+  void stop() { stopping_ = true; }  // from any thread
+  void close();
+  std::string stats_snapshot() const;  // msgpack map, as in a stats reply
+
+ private:
+  struct Worker;
+  struct Pending;
+  struct PendingEnd;
+  using WorkerPtr = std::shared_ptr<Worker>;
+  using PendingPtr = std::shared_ptr<Pending>;
+
+  void* router(const std::string& endpoint, std::string& bound);
+  void drain(void* sock, Side side);
+  static double now();
+
+  // sending. Pointers are taken by value wherever a failed send can end in
+  // worker_lost(), which clears the references it was handed.
+  bool send_client(const std::string& client, const std::string& frame);
+  bool send_worker(WorkerPtr worker, const std::string& frame);
+  void send_raw(const std::string& ident, const std::string& frame);
+  void reply_error(const std::string& client, std::optional<std::string_view> request_id,
+                   std::string_view code, std::string_view message);
+  std::string error_frame(std::optional<std::string_view> request_id, std::string_view code,
+                          std::string_view message, std::optional<bool> retryable = std::nullopt);
+
+  // clients
+  void on_client_frame(const std::string& client, std::string_view frame, size_t extra_frames);
+  void on_generate(const std::string& client, const ClientRequest& req, double now);
+  void refuse(const std::string& client, std::string_view request_id, const std::string& code,
+              const std::string& message);
+  WorkerPtr pick(const std::string* session_id);
+  void dispatch(const PendingPtr& p, const WorkerPtr& worker, double now);
+  void drain_queue();
+  void on_cancel(const std::string& client, std::string_view request_id);
+  void on_end_session(const std::string& client, const ClientRequest& req);
+  void client_gone(const std::string& client, const std::string& outcome);
+  void abandon(const PendingPtr& p, const std::string& outcome);
+
+  // workers
+  void on_worker_frame(const std::string& ident, std::string_view frame, size_t extra_frames);
+  void on_register(const std::string& ident, const WorkerMessage& msg);
+  void on_heartbeat(const WorkerPtr& worker, const WorkerMessage& msg);
+  PendingPtr current(const WorkerPtr& worker, const WorkerMessage& msg);
+  void on_delta(const WorkerPtr& worker, const WorkerMessage& msg);
+  void on_final(const WorkerPtr& worker, const WorkerMessage& msg);
+  void on_worker_error(const WorkerPtr& worker, const WorkerMessage& msg);
+  void on_session_ended(const std::string& key, const WorkerMessage* error);
+  void fail_gap(const PendingPtr& p, const WorkerMessage& msg);
+
+  // lifecycle
+  void forget_client_side(const PendingPtr& p);
+  void release(const PendingPtr& p);
+  void finish(const PendingPtr& p, const std::string& outcome);
+  void last_reply(const PendingPtr& p, const std::string& frame);
+  void fail(const PendingPtr& p, const std::string& code, const std::string& message);
+  void cancelled_final(const PendingPtr& p);
+  void worker_lost(WorkerPtr worker, const std::string& why);
+  void remove_queued(const PendingPtr& p);
+  void tick(double now);
+
+  std::string delta_frame(const Pending& p, int64_t seq, int64_t index, const int64_t* tokens,
+                          size_t n, std::string_view text);
+  std::string final_frame(const Pending& p, std::string_view reason, int64_t prompt_tokens,
+                          int64_t cached_tokens, bool with_tokens, std::string_view text);
+  std::string cancel_frame(const Pending& p);
+  WorkerPtr find_worker(const std::string& ident) const;
+  void log(int level, const std::string& message) const;
+
+  BrokerSettings settings_;
+  BrokerHooks hooks_;
+  void* ctx_ = nullptr;
+  void* front_ = nullptr;
+  void* back_ = nullptr;
+  std::string front_endpoint_, back_endpoint_;
+  std::atomic<bool> stopping_{false};
+  double silence_s_;  // a worker's allowance between messages
+
+  // Registration order: the first of equally loaded workers wins, as it always has.
+  std::vector<WorkerPtr> workers_;
+  std::unordered_map<std::string, PendingPtr> requests_;  // broker key -> request
+  std::map<std::pair<std::string, std::string>, PendingPtr> by_client_;  // (client, request id)
+  std::unordered_map<std::string, std::unordered_set<std::string>> client_requests_;
+  std::unordered_map<std::string, double> client_seen_;
+  std::deque<PendingPtr> queue_;
+  std::unordered_map<std::string, WorkerPtr> affinity_;  // session -> worker holding its KV
+  std::unordered_set<std::string> busy_sessions_;
+  std::map<std::string, std::shared_ptr<PendingEnd>> pending_ends_;
+  std::unordered_set<std::string> retryable_;
+  uint64_t next_key_ = 0;
+
+  struct Stats {
+    int64_t requests_received = 0, redispatches = 0, redispatches_resumed = 0,
+            duplicates_dropped = 0, stale_dropped = 0, cancels_forwarded = 0,
+            workers_registered = 0, workers_lost = 0, messages_in = 0, messages_out = 0;
+    std::map<std::string, int64_t> outcomes, routing, frames_rejected, worker_frames_rejected;
+  } stats_;
+  std::vector<double> finished_durations_;
+
+  msgpack::Document doc_;  // reused per message
+  ClientRequest client_req_;
+  WorkerMessage worker_msg_;
+};
+
+}  // namespace turbomq::broker

@@ -26,6 +26,15 @@ std::string hex(uint64_t v) {
 }
 
 void key(msgpack::Writer& w, const char* name) { w.str(name); }
+
+// A message map of `fields` fields besides v and kind, those two written.
+msgpack::Writer begin_message(const char* kind, uint32_t fields) {
+  msgpack::Writer w;
+  w.map(fields + 2);
+  key(w, "v"); w.integer(1);
+  key(w, "kind"); w.str(kind);
+  return w;
+}
 }  // namespace
 
 struct BrokerCore::Worker {
@@ -248,10 +257,7 @@ void BrokerCore::send_raw(const std::string& ident, const std::string& frame) {
 std::string BrokerCore::error_frame(std::optional<std::string_view> request_id,
                                     std::string_view code, std::string_view message,
                                     std::optional<bool> retryable) {
-  msgpack::Writer w;
-  w.map(6);
-  key(w, "v"); w.integer(1);
-  key(w, "kind"); w.str("error");
+  msgpack::Writer w = begin_message("error", 4);
   key(w, "request_id");
   if (request_id) w.str(*request_id); else w.nil();
   key(w, "code"); w.str(code);
@@ -268,10 +274,7 @@ void BrokerCore::reply_error(const std::string& client, std::optional<std::strin
 
 std::string BrokerCore::delta_frame(const Pending& p, int64_t seq, int64_t index,
                                     const int64_t* tokens, size_t n, std::string_view text) {
-  msgpack::Writer w;
-  w.map(7);
-  key(w, "v"); w.integer(1);
-  key(w, "kind"); w.str("delta");
+  msgpack::Writer w = begin_message("delta", 5);
   key(w, "request_id"); w.str(p.request_id);
   key(w, "seq"); w.integer(seq);
   key(w, "index"); w.integer(index);
@@ -284,10 +287,7 @@ std::string BrokerCore::delta_frame(const Pending& p, int64_t seq, int64_t index
 std::string BrokerCore::final_frame(const Pending& p, std::string_view reason,
                                     int64_t prompt_tokens, int64_t cached_tokens,
                                     bool with_tokens, std::string_view text) {
-  msgpack::Writer w;
-  w.map(8);
-  key(w, "v"); w.integer(1);
-  key(w, "kind"); w.str("final");
+  msgpack::Writer w = begin_message("final", 6);
   key(w, "request_id"); w.str(p.request_id);
   key(w, "seq"); w.integer(p.seq);
   key(w, "finish_reason"); w.str(reason);
@@ -308,13 +308,24 @@ std::string BrokerCore::final_frame(const Pending& p, std::string_view reason,
 }
 
 std::string BrokerCore::cancel_frame(const Pending& p) {
-  msgpack::Writer w;
-  w.map(4);
-  key(w, "v"); w.integer(1);
-  key(w, "kind"); w.str("cancel");
+  msgpack::Writer w = begin_message("cancel", 2);
   key(w, "request_id"); w.str(p.key);
   key(w, "attempt"); w.integer(p.attempt);
   return w.take();
+}
+
+// ---------------------------------------------------------------- frames
+std::optional<Rejection> BrokerCore::accept(Side side, std::string_view frame) {
+  const auto& limits = settings_.limits;
+  const bool parsed = static_cast<int64_t>(frame.size()) <= limits.max_frame_bytes &&
+                      doc_.parse(frame.data(), frame.size());
+  if (parsed && (side == Side::Client ? fast_client_request(doc_, limits)
+                                      : fast_worker_message(doc_, limits)))
+    return std::nullopt;
+  std::optional<Rejection> rejected = hooks_.validate(side, frame);
+  if (!rejected && !parsed && !doc_.parse(frame.data(), frame.size()))
+    throw std::runtime_error("a frame the protocol accepts did not parse");
+  return rejected;
 }
 
 // --------------------------------------------------------------- clients
@@ -328,19 +339,12 @@ void BrokerCore::on_client_frame(const std::string& client, std::string_view fra
                 "expected one frame per message, got " + std::to_string(extra_frames + 1));
     return;
   }
-  const auto& limits = settings_.limits;
-  bool parsed = static_cast<int64_t>(frame.size()) <= limits.max_frame_bytes &&
-                doc_.parse(frame.data(), frame.size());
-  if (!parsed || !fast_client_request(doc_, limits)) {
-    std::optional<Rejection> rejected = hooks_.validate(Side::Client, frame);
-    if (rejected) {
-      ++stats_.frames_rejected[rejected->code];
-      if (rejected->request_id) reply_error(client, *rejected->request_id, rejected->code, rejected->message);
-      else reply_error(client, std::nullopt, rejected->code, rejected->message);
-      return;
-    }
-    if (!parsed && !doc_.parse(frame.data(), frame.size()))
-      throw std::runtime_error("a frame the protocol accepts did not parse");
+  if (std::optional<Rejection> rejected = accept(Side::Client, frame)) {
+    ++stats_.frames_rejected[rejected->code];
+    std::optional<std::string_view> rid;
+    if (rejected->request_id) rid = *rejected->request_id;
+    reply_error(client, rid, rejected->code, rejected->message);
+    return;
   }
   ClientRequest& req = client_req_;
   if (!read_client_request(doc_, req)) throw std::runtime_error("unreadable client request");
@@ -351,10 +355,7 @@ void BrokerCore::on_client_frame(const std::string& client, std::string_view fra
   } else if (req.kind == "end_session") {
     on_end_session(client, req);
   } else if (req.kind == "health") {
-    msgpack::Writer w;
-    w.map(7);
-    key(w, "v"); w.integer(1);
-    key(w, "kind"); w.str("health");
+    msgpack::Writer w = begin_message("health", 5);
     key(w, "request_id"); w.str(req.request_id);
     key(w, "status"); w.str(workers_.empty() ? "degraded" : "ok");
     key(w, "workers"); w.integer(static_cast<int64_t>(workers_.size()));
@@ -362,10 +363,7 @@ void BrokerCore::on_client_frame(const std::string& client, std::string_view fra
     key(w, "inflight"); w.integer(static_cast<int64_t>(requests_.size()));
     send_client(client, w.take());
   } else if (req.kind == "stats") {
-    msgpack::Writer w;
-    w.map(4);
-    key(w, "v"); w.integer(1);
-    key(w, "kind"); w.str("stats");
+    msgpack::Writer w = begin_message("stats", 2);
     key(w, "request_id"); w.str(req.request_id);
     key(w, "stats"); w.raw(stats_snapshot());
     send_client(client, w.take());
@@ -435,10 +433,7 @@ void BrokerCore::dispatch(const PendingPtr& p, const WorkerPtr& worker, double t
   ++p->attempt;
   p->worker = worker;
   worker->inflight[p->key] = p;
-  msgpack::Writer w;
-  w.map(p->has_session ? 10 : 9);
-  key(w, "v"); w.integer(1);
-  key(w, "kind"); w.str("dispatch");
+  msgpack::Writer w = begin_message("dispatch", p->has_session ? 8 : 7);
   key(w, "request_id"); w.str(p->key);
   key(w, "attempt"); w.integer(p->attempt);
   key(w, p->has_prompt ? "prompt" : "input_ids"); w.raw(p->prompt_or_ids);
@@ -520,10 +515,7 @@ void BrokerCore::on_end_session(const std::string& client, const ClientRequest& 
   end->worker = worker;
   end->deadline = now() + settings_.cancel_grace * 5;
   pending_ends_[end_key] = end;
-  msgpack::Writer w;
-  w.map(4);
-  key(w, "v"); w.integer(1);
-  key(w, "kind"); w.str("end_session");
+  msgpack::Writer w = begin_message("end_session", 2);
   key(w, "request_id"); w.str(end_key);
   key(w, "session_id"); w.str(sid);
   send_worker(worker, w.take());
@@ -570,18 +562,10 @@ void BrokerCore::on_worker_frame(const std::string& ident, std::string_view fram
     ++stats_.worker_frames_rejected["bad_frame"];
     return;
   }
-  const auto& limits = settings_.limits;
-  bool parsed = static_cast<int64_t>(frame.size()) <= limits.max_frame_bytes &&
-                doc_.parse(frame.data(), frame.size());
-  if (!parsed || !fast_worker_message(doc_, limits)) {
-    std::optional<Rejection> rejected = hooks_.validate(Side::Worker, frame);
-    if (rejected) {
-      ++stats_.worker_frames_rejected[rejected->code];
-      log(kWarning, "rejected a frame from a worker: " + rejected->message);
-      return;
-    }
-    if (!parsed && !doc_.parse(frame.data(), frame.size()))
-      throw std::runtime_error("a frame the protocol accepts did not parse");
+  if (std::optional<Rejection> rejected = accept(Side::Worker, frame)) {
+    ++stats_.worker_frames_rejected[rejected->code];
+    log(kWarning, "rejected a frame from a worker: " + rejected->message);
+    return;
   }
   WorkerMessage& msg = worker_msg_;
   if (!read_worker_message(doc_, msg)) throw std::runtime_error("unreadable worker message");
@@ -590,10 +574,7 @@ void BrokerCore::on_worker_frame(const std::string& ident, std::string_view fram
     if (msg.kind == "register") {
       on_register(ident, msg);
     } else {  // dropped earlier, or the broker restarted
-      msgpack::Writer w;
-      w.map(2);
-      key(w, "v"); w.integer(1);
-      key(w, "kind"); w.str("reconnect");
+      msgpack::Writer w = begin_message("reconnect", 0);
       send_raw(ident, w.take());
     }
     return;
@@ -628,10 +609,7 @@ void BrokerCore::on_register(const std::string& ident, const WorkerMessage& msg)
   if (old) worker_lost(old, "re-registered");  // it started over with us: its old work is gone
   log(kInfo, "worker " + worker->worker_id + " registered: " + std::to_string(worker->slots) +
                  " slots, " + std::to_string(worker->kv_blocks) + " kv blocks");
-  msgpack::Writer w;
-  w.map(4);
-  key(w, "v"); w.integer(1);
-  key(w, "kind"); w.str("registered");
+  msgpack::Writer w = begin_message("registered", 2);
   key(w, "heartbeat_interval"); w.real(settings_.heartbeat_interval);
   key(w, "liveness"); w.integer(settings_.liveness);
   send_worker(worker, w.take());
@@ -756,10 +734,7 @@ void BrokerCore::on_session_ended(const std::string& end_key, const WorkerMessag
   }
   affinity_.erase(end->session_id);
   for (const WorkerPtr& w : workers_) w->sessions.erase(end->session_id);
-  msgpack::Writer w;
-  w.map(4);
-  key(w, "v"); w.integer(1);
-  key(w, "kind"); w.str("session_ended");
+  msgpack::Writer w = begin_message("session_ended", 2);
   key(w, "request_id"); w.str(end->request_id);
   key(w, "session_id"); w.str(end->session_id);
   send_client(end->client, w.take());
@@ -877,10 +852,7 @@ void BrokerCore::worker_lost(WorkerPtr worker, const std::string& why) {
 
 void BrokerCore::tick(double t) {
   const std::vector<WorkerPtr> workers = workers_;
-  msgpack::Writer hb;
-  hb.map(2);
-  key(hb, "v"); hb.integer(1);
-  key(hb, "kind"); hb.str("heartbeat");
+  msgpack::Writer hb = begin_message("heartbeat", 0);
   const std::string heartbeat = hb.take();
   for (const WorkerPtr& w : workers) {
     if (!w->alive) continue;

@@ -81,6 +81,9 @@ class BrokerCore {
   using PendingPtr = std::shared_ptr<Pending>;
 
   void* router(const std::string& endpoint, std::string& bound);
+  // Parses `frame` into doc_. nullopt when the protocol accepts it (at sight,
+  // or else by protocol.py's verdict); otherwise protocol.py's rejection.
+  std::optional<Rejection> accept(Side side, std::string_view frame);
   void drain(void* sock, Side side);
   static double now();
 

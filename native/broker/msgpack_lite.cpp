@@ -62,7 +62,6 @@ int32_t Document::parse_one(int depth) {
   const char* begin = p_;
   const auto c = static_cast<unsigned char>(*p_++);
   auto need = [&](size_t n) { return static_cast<size_t>(end_ - p_) >= n; };
-  Type type;
   uint64_t length = 0;  // str/bin bytes, array items, map pairs
   if (c <= 0x7f) {
     nodes_[index].type = Type::Int;
@@ -70,28 +69,18 @@ int32_t Document::parse_one(int depth) {
   } else if (c >= 0xe0) {
     nodes_[index].type = Type::Int;
     nodes_[index].i = static_cast<int8_t>(c);
-  } else if (c <= 0x8f || (c >= 0xde && c <= 0xdf)) {
-    type = Type::Map;
-    if (c <= 0x8f) {
-      length = c & 0x0f;
-    } else {
-      int n = c == 0xde ? 2 : 4;
-      if (!need(n)) return -1;
-      length = load_be(p_, n);
-      p_ += n;
-    }
-    nodes_[index].type = type;
-  } else if (c <= 0x9f || (c >= 0xdc && c <= 0xdd)) {
-    type = Type::Array;
+  } else if (c <= 0x9f || (c >= 0xdc && c <= 0xdf)) {
+    // fixmap / fixarray hold the count in the low nibble; map16/32, array16/32 after the byte.
+    const bool is_map = c <= 0x8f || c >= 0xde;
     if (c <= 0x9f) {
       length = c & 0x0f;
     } else {
-      int n = c == 0xdc ? 2 : 4;
+      int n = (c == 0xdc || c == 0xde) ? 2 : 4;
       if (!need(n)) return -1;
       length = load_be(p_, n);
       p_ += n;
     }
-    nodes_[index].type = type;
+    nodes_[index].type = is_map ? Type::Map : Type::Array;
   } else if (c <= 0xbf || (c >= 0xd9 && c <= 0xdb) || (c >= 0xc4 && c <= 0xc6)) {
     const bool is_str = c <= 0xbf || c >= 0xd9;
     if (c <= 0xbf) {

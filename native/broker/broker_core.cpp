@@ -895,7 +895,11 @@ void BrokerCore::tick(double t) {
                                          "the worker did not answer end_session"));
   }
   if (hooks_.tick) {
-    hooks_.tick(stats_snapshot(), finished_durations_);
+    try {
+      hooks_.tick(stats_snapshot(), finished_durations_);
+    } catch (const std::exception& e) {  // metrics must not stop the broker
+      log(kError, std::string("the tick hook failed: ") + e.what());
+    }
     finished_durations_.clear();
   }
 }

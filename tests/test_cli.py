@@ -61,3 +61,12 @@ def test_make_serve_streams_text(tmp_path):
     assert "Clients connect to tcp://127.0.0.1:" in out.stdout
     assert "[length;" in out.stdout or "[stop;" in out.stdout
     assert len(out.stdout.strip()) > 20
+
+
+def test_generate_over_two_ranks_gives_the_same_tokens():
+    args = ["generate", "--model", demo_model_dir(), "--input-ids", "0,5,6,7", "--max-tokens", "9",
+            "--temperature", "0", "--json"]
+    one = run(TURBOMQ + args)
+    two = run(TURBOMQ + args + ["--tensor-parallel", "2"])
+    assert two.returncode == 0, two.stderr
+    assert json.loads(two.stdout)["token_ids"] == json.loads(one.stdout)["token_ids"]

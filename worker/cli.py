@@ -29,13 +29,16 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=64, help="tokens per KV block")
     p.add_argument("--num-kv-blocks", type=int, default=None,
                    help="KV pool size in blocks (default: sized from memory)")
+    p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                   help="split each layer over N devices: --device and the N-1 after it")
 
 
 def _engine_config(args: argparse.Namespace):
     from .engine import EngineConfig
     return EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
                         kv_dtype=args.kv_dtype, max_batch_size=args.max_batch_size,
-                        block_size=args.block_size, num_kv_blocks=args.num_kv_blocks)
+                        block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+                        tensor_parallel=args.tensor_parallel)
 
 
 def _setup_logging(level: str) -> None:
@@ -95,6 +98,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                                 top_p=args.top_p, top_k=args.top_k, seed=args.seed)
         engine = Engine(_engine_config(args))
+    except (EngineError, InvalidParams, ValueError) as e:
+        print(f"turbomq generate: error: {e}", file=sys.stderr)
+        return 2
+    try:
         inputs = {"prompt": args.prompt} if args.prompt is not None else {"input_ids": args.input_ids}
         if args.json:
             batch = {"prompts": [args.prompt]} if args.prompt is not None else {"input_ids": [args.input_ids]}
@@ -126,6 +133,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     except (EngineError, InvalidParams, ValueError) as e:
         print(f"turbomq generate: error: {e}", file=sys.stderr)
         return 2
+    finally:
+        engine.close()
 
 
 def cmd_demo_model(args: argparse.Namespace) -> int:

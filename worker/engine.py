@@ -20,12 +20,13 @@ from typing import AsyncIterator, Callable, Optional, Sequence as Seq, Union
 import numpy as np
 import torch
 
-from . import errors
+from . import errors, parallel
 from .cuda_graphs import DecodeGraphs, graphs_supported
 from .kv_cache import PagedKVCache, resolve_kv_dtype
 from .model import LlamaModel, parse_dtype
 from .ops import AttentionBatch
 from .output import TextStream
+from .parallel import TensorParallel
 from .sampling import SamplingParams, SeedRNG, sample
 from .scheduler import AllocPolicy, Scheduler, SchedulerConfig, Sequence, SeqStatus, StepPlan
 from .session_store import (InMemorySessionStore, SessionModelMismatch, SessionStore,
@@ -57,6 +58,9 @@ class EngineConfig:
     # With graphs: launch decode step t+1 before reading step t's tokens, so
     # the host's work between steps overlaps the GPU's.
     overlap_steps: bool = True
+    # Ranks (devices) each layer is split over; rank 0 runs in this process on
+    # `device`, rank r on the device r after it (worker/parallel.py).
+    tensor_parallel: int = 1
 
 
 @dataclass(frozen=True)
@@ -125,11 +129,19 @@ class Engine:
         weights); otherwise it is loaded from `config.model`."""
         self.config = config
         self.device = torch.device(config.device)
+        self.tp: Optional[TensorParallel] = None
+        if config.tensor_parallel < 1:
+            raise ValueError("tensor_parallel must be >= 1")
         if model is None:
             checkpoint = load_checkpoint(config.model)
             dtype = parse_dtype(config.dtype) if config.dtype else None
-            model = LlamaModel(checkpoint.config, checkpoint.tensors, self.device, dtype)
+            if config.tensor_parallel > 1:
+                self.tp = parallel.start(config, checkpoint.config)
+            model = LlamaModel(checkpoint.config, checkpoint.tensors, self.device, dtype,
+                               tp=self.tp)
             del checkpoint
+        elif config.tensor_parallel > 1:
+            raise ValueError("tensor_parallel > 1 loads its model from config.model")
         self.model = model
         self.model_config = self.model.config
         # A model without tokenizer.json still serves token IDs (no text).
@@ -146,7 +158,9 @@ class Engine:
         # one extra block, owned by no sequence, absorbs the padding rows of
         # CUDA-graph decode steps
         self.kv_cache = PagedKVCache(mc.num_layers, num_blocks + 1, config.block_size,
-                                     mc.num_kv_heads, mc.head_dim, kv_dtype, self.device)
+                                     self.model.num_kv_heads, mc.head_dim, kv_dtype, self.device)
+        if self.tp is not None:
+            self.tp.send_pool(num_blocks + 1)
         self.kv_manager = KVCacheManager(num_blocks, config.block_size)
         log.info("KV pool: %d blocks of %d tokens = %d tokens (%s, %.2f GiB)", num_blocks,
                  config.block_size, num_blocks * config.block_size, kv_dtype,
@@ -154,7 +168,8 @@ class Engine:
         self.decode_graphs = (
             DecodeGraphs(self.model, self.kv_cache, config.max_batch_size, self.max_model_len,
                          scratch_block=num_blocks)
-            if config.cuda_graphs and graphs_supported(self.model, self.kv_cache) else None)
+            if config.cuda_graphs and self.tp is None
+            and graphs_supported(self.model, self.kv_cache) else None)
         self.scheduler = Scheduler(SchedulerConfig(
             max_batch_size=config.max_batch_size,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -188,7 +203,8 @@ class Engine:
     # ------------------------------------------------------------------ sizing
     def _num_kv_blocks(self, kv_dtype: torch.dtype) -> int:
         cfg, mc = self.config, self.model_config
-        per_block = PagedKVCache.bytes_per_block(mc.num_layers, cfg.block_size, mc.num_kv_heads,
+        per_block = PagedKVCache.bytes_per_block(mc.num_layers, cfg.block_size,
+                                                 self.model.num_kv_heads,
                                                  mc.head_dim, kv_dtype)
         if cfg.num_kv_blocks is not None:
             if cfg.num_kv_blocks < 1:
@@ -408,6 +424,13 @@ class Engine:
             self._thread.join()
             self._thread = None
 
+    def close(self) -> None:
+        """Stop, and end the other tensor-parallel ranks; the engine is done."""
+        self.stop()
+        if self.tp is not None:
+            self.tp.close()
+            self.tp = None
+
     def _loop(self) -> None:
         while not self._stopping:
             if not self.step():
@@ -545,6 +568,8 @@ class Engine:
             logits = graphs.run(ids, ctx_lens, tables, prev_rows)  # decode-only step
         else:
             assert prev_rows is None, "only decode graph steps read tokens in flight"
+            if self.tp is not None:  # the other ranks run this forward with us
+                self.tp.send_step(ids, q_lens, ctx_lens, tables)
             batch = AttentionBatch.build(q_lens, ctx_lens, tables, bs, self.device)
             input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
             last = batch.cu_q_lens[1:].long() - 1

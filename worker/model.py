@@ -7,11 +7,14 @@ reads each sequence's whole context through its block table."""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
 from .config import ModelConfig
+
+if TYPE_CHECKING:
+    from .parallel import TensorParallel
 from .kv_cache import PagedKVCache
 from .ops import AttentionBatch, ops_for
 from .rotary import cos_sin_table
@@ -31,8 +34,14 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
 
 class LlamaModel:
     def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor],
-                 device: torch.device | str = "cpu", dtype: Optional[torch.dtype] = None):
+                 device: torch.device | str = "cpu", dtype: Optional[torch.dtype] = None,
+                 tp: Optional["TensorParallel"] = None):
+        """With `tp`, this rank's slice of each layer (worker/parallel.py)."""
         self.config = config
+        self.tp = tp
+        ranks = tp.size if tp is not None else 1
+        self.num_heads = config.num_heads // ranks  # this rank's heads
+        self.num_kv_heads = config.num_kv_heads // ranks
         self.device = torch.device(device)
         self.dtype = dtype or parse_dtype(config.torch_dtype)
         self.ops = ops_for(self.device)
@@ -41,7 +50,8 @@ class LlamaModel:
         def take(name: str) -> torch.Tensor:
             t = tensors[name]
             if id(t) not in moved:
-                moved[id(t)] = t.to(device=self.device, dtype=self.dtype).contiguous()
+                part = t if tp is None else tp.shard(config, name, t)
+                moved[id(t)] = part.to(device=self.device, dtype=self.dtype).contiguous()
             return moved[id(t)]
 
         self.embed = take("embed.weight")
@@ -69,11 +79,21 @@ class LlamaModel:
             # norm, qkv projection, rotary, k and v into the pool
             q = ops.qkv_rotary_write_kv(residual, layer["qkv"], (layer["attn_norm"], eps),
                                         batch.positions, self.cos_sin, layer_kv,
-                                        batch.slot_mapping, cfg.num_heads)
+                                        batch.slot_mapping, self.num_heads)
             attn = ops.paged_attention(q, layer_kv, batch, self.scale)
-            ops.linear(attn.reshape(t, cfg.q_size), layer["o"], residual=residual)
+            self._project_into(residual, attn.reshape(t, -1), layer["o"])
             act = ops.linear(residual, layer["gate_up"], norm=(layer["mlp_norm"], eps), silu=True)
-            ops.linear(act, layer["down"], residual=residual)
+            self._project_into(residual, act, layer["down"])
         if logits_indices is None:
             logits_indices = (batch.cu_q_lens[1:] - 1).long()
         return ops.linear(residual[logits_indices], self.lm_head, norm=(self.norm, eps)).float()
+
+    def _project_into(self, residual: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+        """residual += x @ w.T; under tensor parallelism each rank holds a
+        partial product, summed across ranks before the add."""
+        if self.tp is None:
+            self.ops.linear(x, w, residual=residual)
+            return
+        partial = self.ops.linear(x, w)
+        self.tp.all_reduce(partial)
+        residual.add_(partial)

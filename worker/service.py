@@ -166,7 +166,7 @@ class WorkerService:
             self.close()
 
     def close(self) -> None:
-        self.engine.stop()
+        self.engine.close()
         self.link.close()
         self._wake_rx.close(0)
         self._wake_tx.close(0)

@@ -1,0 +1,117 @@
+"""Tensor parallelism over two GPUs against one, on a Llama-3-8B-shaped model
+with random bf16 weights (written once as a converted checkpoint: every rank
+loads its slice from it).
+
+Three engines, one after the other, in one run: one GPU with CUDA graphs (the
+production path), one GPU eager, two GPUs (eager: no graphs are captured under
+tensor parallelism). Each: decode at batch 1 (prompt 128, 256 new tokens), an
+offline batch of ShareGPT-like requests, and its KV pool size.
+
+    BENCH=tensor_parallel bash benchmarks/run_gpu.sh   (on a machine with 2 GPUs)
+
+Writes tensor_parallel.md and tensor_parallel.json to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from gpu_engine import GREEDY, LLAMA3_8B, random_tensors, run_offline, sharegpt_like, sync_time
+from turbomq.worker import Engine, EngineConfig, SamplingParams
+from turbomq.worker.weights import Checkpoint, save_converted
+
+CASES = [("1 GPU, CUDA graphs", dict(tensor_parallel=1, cuda_graphs=True)),
+         ("1 GPU, eager", dict(tensor_parallel=1, cuda_graphs=False)),
+         ("2 GPUs, eager", dict(tensor_parallel=2, cuda_graphs=False))]
+
+
+def decode_batch1(engine: Engine, new_tokens: int = 256) -> dict:
+    stamps = []
+    engine.submit(input_ids=list(range(1000, 1128)),
+                  params=SamplingParams(max_tokens=new_tokens, **GREEDY),
+                  callback=lambda e: stamps.append(time.perf_counter()))
+    t0 = sync_time()
+    while engine.has_work():
+        engine.step()
+    return {"ttft_ms": (stamps[0] - t0) * 1e3,
+            "decode_tok_per_s": (len(stamps) - 1) / (stamps[-1] - stamps[0])}
+
+
+def measure(path: str, case: dict, work: list, max_batch_size: int) -> dict:
+    t0 = time.perf_counter()
+    engine = Engine(EngineConfig(model=path, device="cuda", dtype="bf16",
+                                 max_batch_size=max_batch_size, block_size=64,
+                                 kv_cache_fraction=0.85, max_num_batched_tokens=8192,
+                                 max_model_len=16384, **case))
+    try:
+        load_s = time.perf_counter() - t0
+        for copies in (4, 1):  # warm-up (captures the graphs the runs use)
+            engine.generate(input_ids=[list(range(1000, 1128))] * copies,
+                            params=SamplingParams(max_tokens=8, **GREEDY))
+        out = {"load_s": load_s, "kv_tokens_capacity": engine.max_tokens_in_pool}
+        out.update(decode_batch1(engine))
+        out.update(run_offline(engine, work))
+        return out
+    finally:
+        engine.close()
+        del engine
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def write_report(out: Path, r: dict) -> None:
+    rows = ["# Tensor parallelism (Llama-3-8B shapes, random bf16 weights)", "",
+            f"{r['device']} x {r['gpus']}; `benchmarks/gpu_tensor_parallel.py` "
+            f"(`BENCH=tensor_parallel bash benchmarks/run_gpu.sh`). Decode: batch 1, prompt 128, "
+            f"256 new tokens. Offline: {r['requests']} ShareGPT-like requests (ignore EOS), "
+            f"up to {r['max_batch_size']} at once. All rows from one run.", "",
+            "| engine | decode tok/s (batch 1) | TTFT ms | offline output tok/s | req/s "
+            "| KV pool tokens | load s |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for name, c in r["cases"].items():
+        rows.append(f"| {name} | {c['decode_tok_per_s']:.1f} | {c['ttft_ms']:.1f} | "
+                    f"{c['output_tok_per_s']:,.0f} | {c['req_per_s']:.2f} | "
+                    f"{c['kv_tokens_capacity']:,} | {c['load_s']:.0f} |")
+    rows += ["", "Two GPUs hold the weights once between them, so each has about half "
+             "the weight memory free for KV (the pool column counts tokens; every rank "
+             "holds its own KV heads of each). Steps under tensor parallelism run eagerly: "
+             "the one-GPU eager row is their like-for-like baseline, the graph row the "
+             "production single-GPU path. docs/engine.md, Tensor parallel."]
+    (out / "tensor_parallel.md").write_text("\n".join(rows) + "\n")
+    (out / "tensor_parallel.json").write_text(json.dumps(r, indent=2) + "\n")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--max-batch-size", type=int, default=64)
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    if torch.cuda.device_count() < 2:
+        raise SystemExit("tensor parallel benchmark: needs 2 CUDA devices")
+    cfg = LLAMA3_8B
+    tensors = {k: v.cpu() for k, v in random_tensors(cfg).items()}
+    torch.cuda.empty_cache()
+    work = sharegpt_like(args.requests)
+    results = {"device": torch.cuda.get_device_name(), "gpus": 2, "requests": args.requests,
+               "max_batch_size": args.max_batch_size, "cases": {}}
+    with tempfile.TemporaryDirectory(prefix="turbomq-tp-") as tmp:
+        save_converted(Checkpoint(cfg, tensors), tmp)
+        del tensors
+        for name, case in CASES:
+            results["cases"][name] = measure(tmp, case, work, args.max_batch_size)
+            print(name, json.dumps(results["cases"][name]), flush=True)
+    write_report(args.out, results)
+    print((args.out / "tensor_parallel.md").read_text())
+
+
+if __name__ == "__main__":
+    main()

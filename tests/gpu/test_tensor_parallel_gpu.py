@@ -10,13 +10,13 @@ import torch
 from turbomq.worker import Engine, EngineConfig, SamplingParams
 from turbomq.worker.ops import cuda as cuda_ops
 
-from test_engine_gpu import prompts, tiny_model
-
 _REASON = cuda_ops.unavailable_reason()
 if _REASON is None and torch.cuda.device_count() < 2:
     _REASON = f"tensor parallel needs 2 CUDA devices, found {torch.cuda.device_count()}"
 if _REASON is not None:
     pytest.skip(f"tensor-parallel GPU tests skipped: {_REASON}", allow_module_level=True)
+
+from test_engine_gpu import prompts, tiny_model  # noqa: E402 (after the skip: it skips too)
 
 
 def run(path: str, tp: int, dtype: str, batch: list, **config) -> list:

@@ -145,6 +145,10 @@ class DecodeGraphs:
         graph.replay()
         return logits[:b]
 
+    def release(self) -> None:
+        """Drop every captured graph (captured again on next use)."""
+        self._graphs.clear()
+
     def _batch(self, bucket: int, context_bucket: int) -> AttentionBatch:
         return AttentionBatch(
             q_lens=self.q_lens[:bucket], cu_q_lens=self.cu_q_lens[:bucket + 1],

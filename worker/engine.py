@@ -168,8 +168,7 @@ class Engine:
         self.decode_graphs = (
             DecodeGraphs(self.model, self.kv_cache, config.max_batch_size, self.max_model_len,
                          scratch_block=num_blocks)
-            if config.cuda_graphs and self.tp is None
-            and graphs_supported(self.model, self.kv_cache) else None)
+            if config.cuda_graphs and graphs_supported(self.model, self.kv_cache) else None)
         self.scheduler = Scheduler(SchedulerConfig(
             max_batch_size=config.max_batch_size,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -428,6 +427,7 @@ class Engine:
         """Stop, and end the other tensor-parallel ranks; the engine is done."""
         self.stop()
         if self.tp is not None:
+            parallel.release_graphs(self.decode_graphs)
             self.tp.close()
             self.tp = None
 
@@ -498,7 +498,9 @@ class Engine:
     def _runs_ahead(self, plan: StepPlan) -> bool:
         """Whether `plan` may launch before the previous step's tokens are
         read: a decode graph step whose sampling needs no token history."""
-        return (self.config.overlap_steps and self._graphed(plan)
+        # Not under tensor parallelism: the other ranks take every input token
+        # from the host.
+        return (self.config.overlap_steps and self.tp is None and self._graphed(plan)
                 and all(i.seq.params.repetition_penalty == 1.0 for i in plan.scheduled))
 
     def _graphed(self, plan: StepPlan) -> bool:
@@ -564,12 +566,12 @@ class Engine:
         rows = [i for i, item in enumerate(plan.scheduled) if item.samples]
         graphs = self.decode_graphs
         graphed = self._graphed(plan)
+        if self.tp is not None:  # the other ranks run this forward with us
+            self.tp.send_step(ids, q_lens, ctx_lens, tables, graphed)
         if graphed:
             logits = graphs.run(ids, ctx_lens, tables, prev_rows)  # decode-only step
         else:
             assert prev_rows is None, "only decode graph steps read tokens in flight"
-            if self.tp is not None:  # the other ranks run this forward with us
-                self.tp.send_step(ids, q_lens, ctx_lens, tables)
             batch = AttentionBatch.build(q_lens, ctx_lens, tables, bs, self.device)
             input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
             last = batch.cu_q_lens[1:].long() - 1

@@ -9,9 +9,10 @@ same number of blocks, so one block table serves all ranks.
 
 Rank 0 runs the engine: scheduler, KV manager, sampling. For every forward
 it broadcasts the step's inputs (token ids, query and context lengths, block
-tables) over a host-side group; the other ranks (`follow`) run the same
-forward on them and discard the logits. Steps run eagerly: no CUDA graphs
-under tensor parallelism (docs/engine.md, Tensor parallel).
+tables, whether a decode graph runs it) over a host-side group; the other
+ranks (`follow`) run the same forward, eagerly or by replaying the same
+captured graph (all-reduces inside), and discard the logits.
+docs/engine.md, Tensor parallel.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ log = logging.getLogger("turbomq.parallel")
 # A rank that waits longer than this on a collective gives up: a peer died.
 COLLECTIVE_TIMEOUT = timedelta(seconds=120)
 
-_STOP, _FORWARD = 0, 1
+_STOP, _FORWARD, _GRAPHED = 0, 1, 2
 _HEADER = 5  # kind, sequences, tokens, table width, pool blocks
 
 
@@ -77,13 +78,13 @@ class TensorParallel:
         self.followers: list = []  # rank 0: the processes of ranks 1..
 
     def close(self) -> None:
-        """Rank 0: stop the other ranks and wait for them; every rank: leave the group."""
+        """Rank 0: stop the other ranks, wait for them, leave the group."""
         if self.rank == 0 and self.followers:
             try:
                 self.send_stop()
             finally:
                 for p in self.followers:
-                    p.join(30)
+                    p.join(15)
                     if p.is_alive():
                         p.kill()
                 self.followers = []
@@ -118,11 +119,12 @@ class TensorParallel:
 
     # -------------------------------------------------------- step inputs
     def send_step(self, ids: list[int], q_lens: list[int], ctx_lens: list[int],
-                  tables: np.ndarray) -> None:
-        """Rank 0: the inputs of the forward it is about to run."""
+                  tables: np.ndarray, graphed: bool) -> None:
+        """Rank 0: the inputs of the forward it is about to run (`graphed`: as a
+        decode graph replay, which the other ranks capture and replay alike)."""
         tables = np.asarray(tables, dtype=np.int64)
-        header = torch.tensor([_FORWARD, len(q_lens), len(ids), tables.shape[1], 0],
-                              dtype=torch.long)
+        header = torch.tensor([_GRAPHED if graphed else _FORWARD, len(q_lens), len(ids),
+                               tables.shape[1], 0], dtype=torch.long)
         dist.broadcast(header, 0, group=self._host)
         body = torch.cat([torch.tensor(ids + q_lens + ctx_lens, dtype=torch.long),
                           torch.from_numpy(tables.reshape(-1))])
@@ -137,8 +139,8 @@ class TensorParallel:
         dist.broadcast(torch.tensor([_STOP, 0, 0, 0, 0], dtype=torch.long), 0, group=self._host)
 
     def receive(self) -> Optional[tuple]:
-        """Ranks > 0: (ids, q_lens, ctx_lens, tables) of the next forward, an
-        int (the pool's blocks), or None to stop."""
+        """Ranks > 0: (ids, q_lens, ctx_lens, tables, graphed) of the next
+        forward, an int (the pool's blocks), or None to stop."""
         header = torch.empty(_HEADER, dtype=torch.long)
         dist.broadcast(header, 0, group=self._host)
         kind, n, t, width, blocks = header.tolist()
@@ -149,7 +151,16 @@ class TensorParallel:
         body = torch.empty(t + 2 * n + n * width, dtype=torch.long)
         dist.broadcast(body, 0, group=self._host)
         ids, q_lens, ctx_lens = body[:t], body[t:t + n].tolist(), body[t + n:t + 2 * n].tolist()
-        return ids, q_lens, ctx_lens, body[t + 2 * n:].reshape(n, width).numpy()
+        tables = body[t + 2 * n:].reshape(n, width).numpy()
+        return ids, q_lens, ctx_lens, tables, kind == _GRAPHED
+
+
+def release_graphs(graphs) -> None:
+    """Free captured graphs before the group goes: NCCL's teardown waits for
+    graphs that still hold its collectives."""
+    if graphs is not None:
+        graphs.release()
+        torch.cuda.synchronize()
 
 
 def start(engine_config, model_config: ModelConfig) -> TensorParallel:
@@ -180,6 +191,7 @@ def start(engine_config, model_config: ModelConfig) -> TensorParallel:
 def follow(engine_config, rank: int, init_method: str) -> None:
     """Ranks > 0, in their own process: load this rank's slice, then run every
     forward rank 0 announces until it says stop."""
+    from .cuda_graphs import DecodeGraphs, graphs_supported
     from .kv_cache import PagedKVCache, resolve_kv_dtype
     from .model import LlamaModel, parse_dtype
     from .ops import AttentionBatch
@@ -188,6 +200,7 @@ def follow(engine_config, rank: int, init_method: str) -> None:
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     device = device_for(engine_config.device, rank)
     tp = TensorParallel(ParallelConfig(engine_config.tensor_parallel, rank, init_method), device)
+    graphs = None
     try:
         checkpoint = load_checkpoint(engine_config.model)
         dtype = parse_dtype(engine_config.dtype) if engine_config.dtype else None
@@ -199,10 +212,23 @@ def follow(engine_config, rank: int, init_method: str) -> None:
         mc = model.config
         kv = PagedKVCache(mc.num_layers, num_blocks, engine_config.block_size, model.num_kv_heads,
                           mc.head_dim, resolve_kv_dtype(engine_config.kv_dtype, model.dtype), device)
+        # The same graphs as rank 0's: it replays one exactly when rank 0 does.
+        max_len = min(engine_config.max_model_len or mc.max_position_embeddings,
+                      mc.max_position_embeddings)
+        graphs = (DecodeGraphs(model, kv, engine_config.max_batch_size, max_len,
+                               scratch_block=num_blocks - 1)
+                  if engine_config.cuda_graphs and graphs_supported(model, kv) else None)
         no_logits = torch.empty(0, dtype=torch.long, device=device)
         while (step := tp.receive()) is not None:
-            ids, q_lens, ctx_lens, tables = step
+            ids, q_lens, ctx_lens, tables, graphed = step
+            if graphed:
+                graphs.run(ids.tolist(), ctx_lens, tables)
+                continue
             batch = AttentionBatch.build(q_lens, ctx_lens, tables, engine_config.block_size, device)
             model.forward(ids.to(device), batch, kv, no_logits)
     finally:
-        tp.close()
+        release_graphs(graphs)
+    # Gone without tearing the group down: rank 0 is done with it, and NCCL's
+    # teardown may wait on what captured graphs held.
+    logging.shutdown()
+    os._exit(0)

@@ -23,8 +23,6 @@ from .config import BrokerConfig
 log = logging.getLogger("turbomq.broker")
 
 _CLIENT = 0  # the data plane's Side::Client; 1 is Side::Worker
-_SETTINGS = ("front", "back", "heartbeat_interval", "liveness", "queue_bound", "client_timeout",
-             "default_timeout", "cancel_grace", "max_redispatch", "send_hwm", "spin_us")
 
 
 def native_limits(limits: P.Limits):
@@ -41,8 +39,9 @@ class Broker:
         self.config = config
         self.limits = P.Limits(max_frame_bytes=config.max_frame_bytes)
         settings = _native.broker.BrokerSettings()
-        for name in _SETTINGS:
-            setattr(settings, name, getattr(config, name))
+        for name in dir(settings):  # every BrokerConfig field the data plane has
+            if not name.startswith("_") and hasattr(config, name):
+                setattr(settings, name, getattr(config, name))
         settings.limits = native_limits(self.limits)
         settings.retryable_codes = sorted(P.RETRYABLE_CODES)
         # Optional metrics: .tick(stats) each tick, .finished(seconds) per request.

@@ -11,7 +11,7 @@ import pytest
 from helpers import demo_model_dir
 from test_model_parity import make_hf_model
 from turbomq.worker import Engine, EngineConfig, SamplingParams
-from turbomq.worker.parallel import TensorParallel
+from turbomq.worker.parallel import shard_weight
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
 
@@ -85,12 +85,9 @@ def test_shards_tile_each_weight():
     qkv = torch.arange((16 + 8 + 8) * 16, dtype=torch.float32).reshape(32, 16)
     gate_up = torch.arange(24 * 16, dtype=torch.float32).reshape(24, 16)
     down = torch.arange(16 * 12, dtype=torch.float32).reshape(16, 12)
-    parts = {}
-    for rank in range(2):
-        tp = TensorParallel.__new__(TensorParallel)  # the slicing needs no group
-        tp.size, tp.rank = 2, rank
-        parts[rank] = {n: tp.shard(cfg, f"layers.0.{n}.weight", w)
-                       for n, w in (("qkv", qkv), ("gate_up", gate_up), ("down", down))}
+    parts = {rank: {n: shard_weight(cfg, f"layers.0.{n}.weight", w, rank, 2)
+                    for n, w in (("qkv", qkv), ("gate_up", gate_up), ("down", down))}
+             for rank in range(2)}
     q, k, v = qkv.split([16, 8, 8])
     for rank in range(2):
         want = torch.cat([q[rank * 8:(rank + 1) * 8], k[rank * 4:(rank + 1) * 4],

@@ -94,14 +94,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from .errors import EngineError
     from .sampling import InvalidParams, SamplingParams
 
+    engine = None
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                                 top_p=args.top_p, top_k=args.top_k, seed=args.seed)
         engine = Engine(_engine_config(args))
-    except (EngineError, InvalidParams, ValueError) as e:
-        print(f"turbomq generate: error: {e}", file=sys.stderr)
-        return 2
-    try:
         inputs = {"prompt": args.prompt} if args.prompt is not None else {"input_ids": args.input_ids}
         if args.json:
             batch = {"prompts": [args.prompt]} if args.prompt is not None else {"input_ids": [args.input_ids]}
@@ -134,7 +131,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(f"turbomq generate: error: {e}", file=sys.stderr)
         return 2
     finally:
-        engine.close()
+        if engine is not None:
+            engine.close()
 
 
 def cmd_demo_model(args: argparse.Namespace) -> int:

@@ -13,6 +13,8 @@ import torch
 
 from .config import ModelConfig
 
+from .parallel import shard_weight
+
 if TYPE_CHECKING:
     from .parallel import TensorParallel
 from .kv_cache import PagedKVCache
@@ -50,7 +52,7 @@ class LlamaModel:
         def take(name: str) -> torch.Tensor:
             t = tensors[name]
             if id(t) not in moved:
-                part = t if tp is None else tp.shard(config, name, t)
+                part = t if tp is None else shard_weight(config, name, t, tp.rank, tp.size)
                 moved[id(t)] = part.to(device=self.device, dtype=self.dtype).contiguous()
             return moved[id(t)]
 

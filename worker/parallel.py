@@ -36,7 +36,7 @@ log = logging.getLogger("turbomq.parallel")
 # A rank that waits longer than this on a collective gives up: a peer died.
 COLLECTIVE_TIMEOUT = timedelta(seconds=120)
 
-_STOP, _FORWARD, _GRAPHED = 0, 1, 2
+_STOP, _POOL, _FORWARD, _GRAPHED = 0, 1, 2, 3
 _HEADER = 5  # kind, sequences, tokens, table width, pool blocks
 
 
@@ -60,6 +60,31 @@ def device_for(base: str, rank: int) -> torch.device:
     if dev.type == "cuda":
         return torch.device("cuda", (dev.index or 0) + rank)
     return dev
+
+
+def shard_weight(config: ModelConfig, name: str, w: torch.Tensor, rank: int,
+                 size: int) -> torch.Tensor:
+    """Rank `rank`'s slice (of `size`) of the internal tensor `name`; the
+    embedding, norms and lm_head are whole on every rank."""
+    r, n = rank, size
+    kind = name.rsplit(".", 2)[-2] if name.startswith("layers.") else ""
+    if kind == "qkv":
+        d = config.head_dim
+        q, k, v = w.split([config.q_size, config.kv_size, config.kv_size])
+        hq, hkv = config.num_heads // n * d, config.num_kv_heads // n * d
+        return torch.cat([q[r * hq:(r + 1) * hq], k[r * hkv:(r + 1) * hkv],
+                          v[r * hkv:(r + 1) * hkv]])
+    if kind == "o":
+        hq = config.q_size // n
+        return w[:, r * hq:(r + 1) * hq]
+    if kind == "gate_up":  # gate rows over up rows; the slice keeps that stacking
+        f = config.intermediate_size // n
+        gate, up = w.chunk(2)
+        return torch.cat([gate[r * f:(r + 1) * f], up[r * f:(r + 1) * f]])
+    if kind == "down":
+        f = config.intermediate_size // n
+        return w[:, r * f:(r + 1) * f]
+    return w
 
 
 class TensorParallel:
@@ -94,29 +119,6 @@ class TensorParallel:
     def all_reduce(self, t: torch.Tensor) -> None:
         dist.all_reduce(t)
 
-    # ------------------------------------------------------------ weights
-    def shard(self, config: ModelConfig, name: str, w: torch.Tensor) -> torch.Tensor:
-        """This rank's slice of the internal tensor `name` (others: whole)."""
-        r, n = self.rank, self.size
-        kind = name.rsplit(".", 2)[-2] if name.startswith("layers.") else ""
-        if kind == "qkv":
-            d = config.head_dim
-            q, k, v = w.split([config.q_size, config.kv_size, config.kv_size])
-            hq, hkv = config.num_heads // n * d, config.num_kv_heads // n * d
-            return torch.cat([q[r * hq:(r + 1) * hq], k[r * hkv:(r + 1) * hkv],
-                              v[r * hkv:(r + 1) * hkv]])
-        if kind == "o":
-            hq = config.q_size // n
-            return w[:, r * hq:(r + 1) * hq]
-        if kind == "gate_up":  # gate rows over up rows; the slice keeps that stacking
-            f = config.intermediate_size // n
-            gate, up = w.chunk(2)
-            return torch.cat([gate[r * f:(r + 1) * f], up[r * f:(r + 1) * f]])
-        if kind == "down":
-            f = config.intermediate_size // n
-            return w[:, r * f:(r + 1) * f]
-        return w
-
     # -------------------------------------------------------- step inputs
     def send_step(self, ids: list[int], q_lens: list[int], ctx_lens: list[int],
                   tables: np.ndarray, graphed: bool) -> None:
@@ -132,7 +134,7 @@ class TensorParallel:
 
     def send_pool(self, num_blocks: int) -> None:
         """Rank 0: how many blocks every pool holds."""
-        header = torch.tensor([_FORWARD, 0, 0, 0, num_blocks], dtype=torch.long)
+        header = torch.tensor([_POOL, 0, 0, 0, num_blocks], dtype=torch.long)
         dist.broadcast(header, 0, group=self._host)
 
     def send_stop(self) -> None:
@@ -146,7 +148,7 @@ class TensorParallel:
         kind, n, t, width, blocks = header.tolist()
         if kind == _STOP:
             return None
-        if n == 0:
+        if kind == _POOL:
             return blocks
         body = torch.empty(t + 2 * n + n * width, dtype=torch.long)
         dist.broadcast(body, 0, group=self._host)

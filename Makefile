@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 DEMO_MODEL ?= .demo-model
 STAMP := $(VENV)/.turbomq-installed
 
-.PHONY: serve test setup sysdeps native cuda-check clean
+.PHONY: serve test setup sysdeps native cuda-check clean FORCE
 
 # Debian packages: libzmq (headers) for the broker's native data plane; a real
 # redis-server, prometheus and docker-compose (to validate the compose file)
@@ -30,18 +30,31 @@ $(STAMP): pyproject.toml native/CMakeLists.txt | sysdeps
 	$(PIP) install -q --no-build-isolation -e '.[test]'
 	touch $(STAMP)
 
-setup: $(STAMP)
+# The editable install maps each module file it saw when it ran: a module
+# added, moved or removed needs a re-install (quick: the native build is
+# incremental). $(MODULES) changes only when the list of modules does.
+MODULES := $(VENV)/.turbomq-modules
+$(MODULES): FORCE
+	@mkdir -p $(VENV)
+	@find broker clients worker monitoring -name '*.py' -not -path '*/__pycache__/*' | sort > $@.new
+	@cmp -s $@.new $@ && rm -f $@.new || mv $@.new $@
+
+$(VENV)/.turbomq-mapped: $(STAMP) $(MODULES)
+	$(PIP) install -q --no-build-isolation --no-deps -e .
+	touch $@
+
+setup: $(VENV)/.turbomq-mapped
 
 # Rebuild the native module after C++ changes.
 native: $(STAMP)
 	$(PIP) install -q --no-build-isolation --no-deps -e .
 
-$(DEMO_MODEL)/config.json: $(STAMP)
+$(DEMO_MODEL)/config.json: | setup
 	$(VENV)/bin/turbomq demo-model $(DEMO_MODEL)
 
 # The whole service on this machine: broker, 2 workers, a local redis-server.
 # SERVE_ARGS=--smoke streams one generation through the client and exits.
-serve: $(STAMP) $(DEMO_MODEL)/config.json
+serve: setup $(DEMO_MODEL)/config.json
 	$(VENV)/bin/turbomq up --model $(DEMO_MODEL) --workers 2 $(SERVE_ARGS)
 
 # Every CUDA source must compile for Hopper (sm_90a), GPU or not.
@@ -52,7 +65,7 @@ cuda-check:
 	  nvcc -std=c++17 -arch=sm_90a -Inative/cuda -Inative/src -c "$$f" -o /dev/null; \
 	done
 
-test: $(STAMP) sysdeps cuda-check
+test: setup sysdeps cuda-check
 	# one intra-op thread per process: the suite runs several processes on 2 cores
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -rs -p no:cacheprovider
 

@@ -26,11 +26,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from turbomq.worker.cuda_graphs import DecodeGraphs
-from turbomq.worker.kv_cache import LayerKV, PagedKVCache
-from turbomq.worker.model import LlamaModel
-from turbomq.worker.ops import cuda as cuda_ops
-from turbomq.worker.ops.attention_batch import AttentionBatch
+from turbomq.worker.model.cuda_graphs import DecodeGraphs
+from turbomq.worker.model.kv_cache import PagedKVCache
+from turbomq.worker.model.ops import LayerKV
+from turbomq.worker.model.llama import LlamaModel
+from turbomq.worker.model.ops import cuda as cuda_ops
+from turbomq.worker.model.ops.attention_batch import AttentionBatch
 
 _spec = importlib.util.spec_from_file_location("gpu_engine", Path(__file__).with_name("gpu_engine.py"))
 gpu_engine = importlib.util.module_from_spec(_spec)

@@ -26,8 +26,8 @@ import numpy as np
 import torch
 
 from turbomq.worker import Engine, EngineConfig, SamplingParams
-from turbomq.worker.config import ModelConfig, RopeScaling
-from turbomq.worker.model import LlamaModel
+from turbomq.worker.model.config import ModelConfig, RopeScaling
+from turbomq.worker.model.llama import LlamaModel
 
 LLAMA3_8B = ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                         num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
@@ -184,7 +184,7 @@ def profile(engine: Engine, out: Path) -> dict:
     tokens of history."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
-    graphs = engine.decode_graphs
+    graphs = engine.runner.graphs
     replay_ms = None
     if graphs is not None and (1, 512) in graphs._graphs:
         graph = graphs._graphs[(1, 512)][0]
@@ -200,12 +200,12 @@ def profile(engine: Engine, out: Path) -> dict:
     tables.append("128-token turn over 8k history:\n" + prof.key_averages().table(
         sort_by="cuda_time_total", row_limit=12))
     engine.end_session("p")
-    saved, engine.decode_graphs = engine.decode_graphs, None
+    saved, engine.runner.graphs = engine.runner.graphs, None
     engine.generate(input_ids=[list(range(1000, 1128))], params=SamplingParams(max_tokens=4, **GREEDY))
     with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
         engine.generate(input_ids=[list(range(1000, 1128))], params=SamplingParams(max_tokens=9, **GREEDY))
         torch.cuda.synchronize()
-    engine.decode_graphs = saved
+    engine.runner.graphs = saved
     tables.append("eager batch-1 steps (1 prefill + 8 decode):\n" + prof.key_averages().table(
         sort_by="cuda_time_total", row_limit=15))
     text = "\n\n".join(tables)

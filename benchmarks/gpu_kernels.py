@@ -25,10 +25,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from turbomq.worker.kv_cache import LayerKV
-from turbomq.worker.ops import cuda as cuda_ops
-from turbomq.worker.ops import reference as ref
-from turbomq.worker.ops.attention_batch import AttentionBatch
+from turbomq.worker.model.ops import LayerKV
+from turbomq.worker.model.ops import cuda as cuda_ops
+from turbomq.worker.model.ops import reference as ref
+from turbomq.worker.model.ops.attention_batch import AttentionBatch
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 64
 CASES = [(1, 1024), (8, 2048), (32, 4096), (64, 4096), (128, 8192), (256, 8192)]

@@ -24,7 +24,7 @@ import torch
 
 from gpu_engine import GREEDY, LLAMA3_8B, random_tensors, run_offline, sharegpt_like, sync_time
 from turbomq.worker import Engine, EngineConfig, SamplingParams
-from turbomq.worker.weights import Checkpoint, save_converted
+from turbomq.worker.model.weights import Checkpoint, save_converted
 
 CASES = [("1 GPU, CUDA graphs", dict(tensor_parallel=1, cuda_graphs=True)),
          ("1 GPU, eager", dict(tensor_parallel=1, cuda_graphs=False)),

@@ -38,7 +38,7 @@ export PYTHONPATH="$PWD/$BUILD/pkg"
 
 tests=0
 if [ "${TESTS:-1}" != 0 ]; then
-  $PY -m pytest tests/gpu tests/test_cuda_sources.py -q -rs -p no:cacheprovider 2>&1 \
+  $PY -m pytest tests/gpu tests/native/test_cuda_sources.py -q -rs -p no:cacheprovider 2>&1 \
     | tee "$OUT/tests.log" | tail -n 40
   tests=${PIPESTATUS[0]}
 fi

@@ -15,9 +15,9 @@ import time
 from pathlib import Path
 
 from turbomq._native import KVCacheManager
-from turbomq.worker.ops import AttentionBatch
-from turbomq.worker.sampling import SamplingParams
-from turbomq.worker.scheduler import Scheduler, SchedulerConfig, Sequence
+from turbomq.worker.model.ops import AttentionBatch
+from turbomq.worker.engine.sampling_params import SamplingParams
+from turbomq.worker.engine.scheduler import Scheduler, SchedulerConfig, Sequence
 
 OUT = Path(__file__).resolve().parent.parent / "docs" / "benchmarks"
 BLOCK = 64

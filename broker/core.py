@@ -3,9 +3,9 @@
 The data plane (turbomq._native.broker, C++ over libzmq) runs the loop: one
 thread, two ROUTER sockets, all routing state. docs/broker.md describes
 routing, heartbeats, re-dispatch and cancellation, and why the loop is native.
-protocol.py stays the one judge of frames: the data plane accepts the common
+clients/protocol stays the one judge of frames: the data plane accepts the common
 well-formed generate, delta and final itself and hands every other frame to
-`_validate` below, which runs protocol.py's decoder.
+`_validate` below, which runs clients/protocol's decoder.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ class Broker:
         self.back_endpoint: str = self._core.back_endpoint
 
     def _validate(self, side: int, frame: bytes) -> Optional[tuple]:
-        """protocol.py's verdict on a frame the data plane did not accept at sight."""
+        """clients/protocol's verdict on a frame the data plane did not accept at sight."""
         decode = P.decode_client_request if side == _CLIENT else P.decode_worker_message
         try:
             decode(frame, self.limits)

@@ -9,7 +9,7 @@ becomes its code points), so a resumed stream is checkable exactly.
 `--die-after N` exits abruptly after N deltas, to simulate a crash.
 
 The connection itself (socket, register, heartbeats with session diffs,
-liveness, reconnect) is turbomq.worker.link.BrokerLink, the real worker's.
+liveness, reconnect) is turbomq.worker.service.link.BrokerLink, the real worker's.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import zmq
 
 from turbomq.clients import protocol as P
 from turbomq.clients.protocol import Code, Kind
-from turbomq.worker.link import BrokerLink  # torch-free (turbomq.worker imports lazily)
+from turbomq.worker.service.link import BrokerLink  # torch-free (turbomq.worker imports lazily)
 
 
 @dataclass
@@ -62,8 +62,8 @@ class EchoRequest:
 
 class EchoWorker:
     """The request side of a worker; the connection (socket, register,
-    heartbeats, liveness, reconnect) is turbomq.worker.link.BrokerLink, as in
-    the real worker (worker/service.py)."""
+    heartbeats, liveness, reconnect) is turbomq.worker.service.link.BrokerLink, as in
+    the real worker (worker/service/loop.py)."""
 
     def __init__(self, config: EchoConfig, context: Optional[zmq.Context] = None):
         self.config = config

@@ -1,4 +1,6 @@
-"""Shared test helpers: the demo model is written once per test process."""
+"""Shared test helpers: the demo model (written once per test process) and
+random HF LLaMA models of the parity configs (GQA, rope scaling, tied
+embeddings, odd sizes)."""
 
 from __future__ import annotations
 
@@ -9,8 +11,45 @@ from pathlib import Path
 
 @functools.lru_cache(maxsize=None)
 def demo_model_dir() -> str:
-    from turbomq.worker.demo import write_demo_model
+    from turbomq.worker.model.demo import write_demo_model
 
     path = Path(tempfile.mkdtemp(prefix="turbomq-demo-")) / "demo"
     write_demo_model(path, seed=0)
     return str(path)
+
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+
+CONFIGS = {
+    "mha": dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=4),
+    "gqa_llama3_rope": dict(vocab_size=300, hidden_size=96, intermediate_size=160,
+                            num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2,
+                            rope_theta=500000.0, rope_scaling=LLAMA3_ROPE),
+    "mqa_tied": dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True),
+    "odd_sizes_linear_rope": dict(vocab_size=259, hidden_size=72, intermediate_size=100,
+                                  num_hidden_layers=2, num_attention_heads=6,
+                                  num_key_value_heads=3, rms_norm_eps=1e-5,
+                                  rope_scaling={"rope_type": "linear", "factor": 2.0}),
+}
+
+
+def make_hf_model(name: str, tmp_path, seed: int = 0):
+    """A random LlamaForCausalLM of CONFIGS[name], saved under tmp_path: (model, dir)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
+                      **CONFIGS[name])
+    model = LlamaForCausalLM(cfg).eval()
+    # Default init leaves norms at exactly 1: randomise them so they are tested.
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.uniform_(0.5, 1.5)
+    out = tmp_path / name
+    model.save_pretrained(out)
+    return model, str(out)

@@ -157,7 +157,7 @@ void bind_broker(py::module_& parent) {
     return std::to_string(major) + "." + std::to_string(minor) + "." + std::to_string(patch);
   }, "the libzmq the data plane is linked with");
 
-  // What the data plane reads from one frame (for tests against protocol.py):
+  // What the data plane reads from one frame (for tests against clients/protocol):
   // None unless the fast path accepts it, or, with fast_only=False, unless it parses.
   m.def("read_frame", [](int side, py::bytes frame, const ProtocolLimits& limits, bool fast_only) {
     std::string bytes = frame;

@@ -48,7 +48,7 @@ struct Rejection {
 };
 
 struct BrokerHooks {
-  // protocol.py's verdict on a frame the fast path did not accept: nullopt if valid.
+  // clients/protocol's verdict on a frame the fast path did not accept: nullopt if valid.
   std::function<std::optional<Rejection>(Side, std::string_view)> validate;
   std::function<void(int level, const std::string&)> log;  // Python logging levels
   // Once per tick: the stats snapshot (msgpack) and the durations of the
@@ -74,18 +74,23 @@ class BrokerCore {
   std::string stats_snapshot() const;  // msgpack map, as in a stats reply
 
  private:
-  struct Worker;
+  struct Worker;  // these three are defined in broker_internal.h
   struct Pending;
   struct PendingEnd;
   using WorkerPtr = std::shared_ptr<Worker>;
   using PendingPtr = std::shared_ptr<Pending>;
 
+  // ---- the socket loop, sending, frames, tick and stats (broker_core.cpp)
   void* router(const std::string& endpoint, std::string& bound);
   // Parses `frame` into doc_. nullopt when the protocol accepts it (at sight,
-  // or else by protocol.py's verdict); otherwise protocol.py's rejection.
+  // or else by clients/protocol's verdict); otherwise clients/protocol's rejection.
   std::optional<Rejection> accept(Side side, std::string_view frame);
   void drain(void* sock, Side side);
   static double now();
+  void on_client_frame(const std::string& client, std::string_view frame, size_t extra_frames);
+  void on_worker_frame(const std::string& ident, std::string_view frame, size_t extra_frames);
+  void tick(double now);
+  void log(int level, const std::string& message) const;
 
   // sending. Pointers are taken by value wherever a failed send can end in
   // worker_lost(), which clears the references it was handed.
@@ -96,49 +101,44 @@ class BrokerCore {
                    std::string_view code, std::string_view message);
   std::string error_frame(std::optional<std::string_view> request_id, std::string_view code,
                           std::string_view message, std::optional<bool> retryable = std::nullopt);
+  std::string delta_frame(const Pending& p, int64_t seq, int64_t index, const int64_t* tokens,
+                          size_t n, std::string_view text);
+  std::string final_frame(const Pending& p, std::string_view reason, int64_t prompt_tokens,
+                          int64_t cached_tokens, bool with_tokens, std::string_view text);
+  std::string cancel_frame(const Pending& p);
 
-  // clients
-  void on_client_frame(const std::string& client, std::string_view frame, size_t extra_frames);
+  // ---- routing and session affinity (broker_routing.cpp)
   void on_generate(const std::string& client, const ClientRequest& req, double now);
   void refuse(const std::string& client, std::string_view request_id, const std::string& code,
               const std::string& message);
   WorkerPtr pick(const std::string* session_id);
   void dispatch(const PendingPtr& p, const WorkerPtr& worker, double now);
   void drain_queue();
+  void remove_queued(const PendingPtr& p);
   void on_cancel(const std::string& client, std::string_view request_id);
   void on_end_session(const std::string& client, const ClientRequest& req);
-  void client_gone(const std::string& client, const std::string& outcome);
-  void abandon(const PendingPtr& p, const std::string& outcome);
+  void on_session_ended(const std::string& key, const WorkerMessage* error);
 
-  // workers
-  void on_worker_frame(const std::string& ident, std::string_view frame, size_t extra_frames);
+  // ---- liveness: workers and clients coming and going (broker_liveness.cpp)
+  WorkerPtr find_worker(const std::string& ident) const;
   void on_register(const std::string& ident, const WorkerMessage& msg);
   void on_heartbeat(const WorkerPtr& worker, const WorkerMessage& msg);
+  void worker_lost(WorkerPtr worker, const std::string& why);
+  void client_gone(const std::string& client, const std::string& outcome);
+
+  // ---- the request table: worker replies and how a request ends (broker_requests.cpp)
   PendingPtr current(const WorkerPtr& worker, const WorkerMessage& msg);
   void on_delta(const WorkerPtr& worker, const WorkerMessage& msg);
   void on_final(const WorkerPtr& worker, const WorkerMessage& msg);
   void on_worker_error(const WorkerPtr& worker, const WorkerMessage& msg);
-  void on_session_ended(const std::string& key, const WorkerMessage* error);
   void fail_gap(const PendingPtr& p, const WorkerMessage& msg);
-
-  // lifecycle
   void forget_client_side(const PendingPtr& p);
   void release(const PendingPtr& p);
   void finish(const PendingPtr& p, const std::string& outcome);
   void last_reply(const PendingPtr& p, const std::string& frame);
   void fail(const PendingPtr& p, const std::string& code, const std::string& message);
   void cancelled_final(const PendingPtr& p);
-  void worker_lost(WorkerPtr worker, const std::string& why);
-  void remove_queued(const PendingPtr& p);
-  void tick(double now);
-
-  std::string delta_frame(const Pending& p, int64_t seq, int64_t index, const int64_t* tokens,
-                          size_t n, std::string_view text);
-  std::string final_frame(const Pending& p, std::string_view reason, int64_t prompt_tokens,
-                          int64_t cached_tokens, bool with_tokens, std::string_view text);
-  std::string cancel_frame(const Pending& p);
-  WorkerPtr find_worker(const std::string& ident) const;
-  void log(int level, const std::string& message) const;
+  void abandon(const PendingPtr& p, const std::string& outcome);
 
   BrokerSettings settings_;
   BrokerHooks hooks_;

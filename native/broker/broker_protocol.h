@@ -3,8 +3,8 @@
 // turbomq.clients.protocol stays the one definition of the protocol: it
 // alone decides that a frame is invalid and says why. Here are
 //   * fast acceptors: the common well-formed generate / delta / final,
-//     accepted exactly where protocol.py accepts them (a test runs a fuzz
-//     corpus through both); any other frame goes to protocol.py's decoder;
+//     accepted exactly where clients/protocol accepts them (a test runs a fuzz
+//     corpus through both); any other frame goes to clients/protocol's decoder;
 //   * readers: the fields the broker uses, from a frame already accepted.
 #pragma once
 
@@ -83,7 +83,7 @@ bool fast_client_request(const msgpack::Document& doc, const ProtocolLimits& lim
 bool fast_worker_message(const msgpack::Document& doc, const ProtocolLimits& limits);
 
 // Fields of a frame the protocol accepted; false if the frame does not parse
-// so (which a frame protocol.py accepted never does).
+// so (which a frame clients/protocol accepted never does).
 bool read_client_request(const msgpack::Document& doc, ClientRequest& out);
 bool read_worker_message(const msgpack::Document& doc, WorkerMessage& out);
 

@@ -13,7 +13,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from turbomq.worker import Engine, EngineConfig, SamplingParams
-from turbomq.worker.ops import cuda as cuda_ops
+from turbomq.worker.model.ops import cuda as cuda_ops
 
 _REASON = cuda_ops.unavailable_reason()
 if _REASON is not None:
@@ -63,7 +63,7 @@ def test_graph_decode_equals_eager(tmp_path, head_dim, kv_dtype):
     for graphs in (False, True):
         eng = Engine(EngineConfig(model=path, device="cuda", dtype="bf16", kv_dtype=kv_dtype,
                                   max_batch_size=8, block_size=64, cuda_graphs=graphs))
-        assert (eng.decode_graphs is not None) == graphs
+        assert (eng.runner.graphs is not None) == graphs
         runs[graphs] = [r.token_ids for r in eng.generate(input_ids=batch, params=params)]
         eng.kv_manager.check()
     same = sum(a == b for a, b in zip(runs[False], runs[True]))

@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 import torch
 
-from turbomq.worker.kv_cache import LayerKV
-from turbomq.worker.ops import cuda as cuda_ops
-from turbomq.worker.ops import reference as ref
-from turbomq.worker.ops.attention_batch import AttentionBatch
+from turbomq.worker.model.ops import LayerKV
+from turbomq.worker.model.ops import cuda as cuda_ops
+from turbomq.worker.model.ops import reference as ref
+from turbomq.worker.model.ops.attention_batch import AttentionBatch
 
 _REASON = cuda_ops.unavailable_reason()
 if _REASON is not None:
@@ -521,7 +521,7 @@ def test_fp32_falls_back_to_reference(gen):
 @pytest.mark.parametrize("vocab", [128256, 32000, 50257, 259])
 def test_argmax_rows_first_maximum(vocab, gen):
     """The sampler's two-stage argmax equals torch.argmax, ties included."""
-    from turbomq.worker.sampling import argmax_rows
+    from turbomq.worker.model.sampler import argmax_rows
 
     x = randn((5, vocab), torch.float32, gen)
     x[1, 3] = x[1, vocab - 2] = 50.0  # a tie across chunks: the lowest id wins

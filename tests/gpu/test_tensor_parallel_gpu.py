@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from turbomq.worker import Engine, EngineConfig, SamplingParams
-from turbomq.worker.ops import cuda as cuda_ops
+from turbomq.worker.model.ops import cuda as cuda_ops
 
 _REASON = cuda_ops.unavailable_reason()
 if _REASON is None and torch.cuda.device_count() < 2:

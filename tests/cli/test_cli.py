@@ -1,0 +1,72 @@
+"""The `turbomq` command and the README's `make serve`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from helpers import demo_model_dir
+
+ROOT = Path(__file__).resolve().parents[2]
+TURBOMQ = [sys.executable, "-m", "turbomq.worker.cli"]
+
+
+def run(args, **kw) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run(args, capture_output=True, text=True, timeout=300, env=env, **kw)
+
+
+def test_help_lists_commands():
+    out = run(TURBOMQ + ["--help"])
+    assert out.returncode == 0
+    for command in ("generate", "demo-model", "convert", "broker", "worker", "up", "chat"):
+        assert command in out.stdout
+
+
+def test_generate_json_contract():
+    out = run(TURBOMQ + ["generate", "--model", demo_model_dir(), "--input-ids", "0,5,6,7",
+                         "--max-tokens", "7", "--temperature", "0", "--json"])
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert len(result["token_ids"]) <= 7 and isinstance(result["text"], str)
+    assert result["usage"]["prompt_tokens"] == 4
+
+
+def test_generate_bad_input_is_a_clear_error():
+    out = run(TURBOMQ + ["generate", "--model", demo_model_dir(), "--input-ids", "5,999999",
+                         "--max-tokens", "3"])
+    assert out.returncode == 2 and "outside the vocabulary" in out.stderr
+    out = run(TURBOMQ + ["generate", "--model", "/nonexistent", "--prompt", "x"])
+    assert out.returncode == 2 and "error" in out.stderr
+
+
+def test_convert_then_generate_same_tokens(tmp_path):
+    dst = tmp_path / "converted"
+    out = run(TURBOMQ + ["convert", demo_model_dir(), str(dst)])
+    assert out.returncode == 0, out.stderr
+    args = ["--input-ids", "0,9,10", "--max-tokens", "8", "--temperature", "0", "--json"]
+    a = json.loads(run(TURBOMQ + ["generate", "--model", demo_model_dir()] + args).stdout)
+    b = json.loads(run(TURBOMQ + ["generate", "--model", str(dst)] + args).stdout)
+    assert a["token_ids"] == b["token_ids"]
+
+
+def test_make_serve_streams_text(tmp_path):
+    # --smoke: broker + 2 workers + redis, one generation streamed through the client, exit.
+    out = run(["make", "-s", "serve", f"DEMO_MODEL={tmp_path / 'demo'}", "SERVE_ARGS=--smoke"],
+              cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert "Clients connect to tcp://127.0.0.1:" in out.stdout
+    assert "[length;" in out.stdout or "[stop;" in out.stdout
+    assert len(out.stdout.strip()) > 20
+
+
+def test_generate_over_two_ranks_gives_the_same_tokens():
+    args = ["generate", "--model", demo_model_dir(), "--input-ids", "0,5,6,7", "--max-tokens", "9",
+            "--temperature", "0", "--json"]
+    one = run(TURBOMQ + args)
+    two = run(TURBOMQ + args + ["--tensor-parallel", "2"])
+    assert two.returncode == 0, two.stderr
+    assert json.loads(two.stdout)["token_ids"] == json.loads(one.stdout)["token_ids"]

@@ -1,0 +1,241 @@
+"""The `turbomq` command. Each subcommand imports what it needs when it runs,
+so `turbomq --help` and light commands (broker, up, chat) never import torch."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+from typing import Optional, Sequence
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="model directory (HF, Meta or converted)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], default=None,
+                   help="compute dtype (default: the checkpoint's)")
+    p.add_argument("--kv-dtype", default="auto", choices=["auto", "fp32", "fp16", "bf16", "int8"])
+    p.add_argument("--max-batch-size", type=int, default=8, help="slots of the persistent batch")
+    p.add_argument("--block-size", type=int, default=64, help="tokens per KV block")
+    p.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="KV pool size in blocks (default: sized from memory)")
+    p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                   help="split each layer over N devices: --device and the N-1 after it")
+
+
+def _engine_config(args: argparse.Namespace):
+    from ..engine.config import EngineConfig
+    return EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
+                        kv_dtype=args.kv_dtype, max_batch_size=args.max_batch_size,
+                        block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+                        tensor_parallel=args.tensor_parallel)
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    _setup_logging(args.log_level)
+    from ..service.loop import WorkerConfig, run_worker
+
+    kwargs = {"worker_id": args.worker_id} if args.worker_id else {}
+    config = WorkerConfig(engine=_engine_config(args), broker=args.broker, model_id=args.model_id,
+                          redis_url=args.redis_url or None, session_ttl=args.session_ttl,
+                          metrics_host=args.metrics_host,
+                          metrics_port=None if args.no_metrics else args.metrics_port, **kwargs)
+
+    def ready(service) -> None:
+        signal.signal(signal.SIGTERM, lambda *_: service.stop())
+        signal.signal(signal.SIGINT, lambda *_: service.stop())
+        # One JSON line once the worker can serve, for scripts and `turbomq up`.
+        print(json.dumps({"worker_id": config.worker_id, "metrics_port": service.metrics_port,
+                          "broker": config.broker}), flush=True)
+
+    run_worker(config, ready=ready)
+    return 0
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    _setup_logging(args.log_level)
+    from .up import UpConfig, run_up
+
+    front = args.front or ("tcp://127.0.0.1:*" if args.smoke else "tcp://127.0.0.1:5555")
+    worker_args = []
+    for flag in ("dtype", "kv_dtype", "max_batch_size", "block_size", "num_kv_blocks"):
+        value = getattr(args, flag)
+        if value is not None:
+            worker_args += ["--" + flag.replace("_", "-"), str(value)]
+    config = UpConfig(model=args.model, workers=args.workers, front=front,
+                      redis_url=args.redis_url or None, device=args.device,
+                      worker_args=worker_args, log_level=args.log_level)
+    return run_up(config, smoke_test=args.smoke)
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from .chat import run_chat
+    return run_chat(args.broker, max_tokens=args.max_tokens, temperature=args.temperature,
+                    seed=args.seed)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from ..engine.engine import Engine
+    from ..engine.errors import EngineError
+    from ..engine.sampling_params import InvalidParams, SamplingParams
+
+    engine = None
+    try:
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                                top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+        engine = Engine(_engine_config(args))
+        inputs = {"prompt": args.prompt} if args.prompt is not None else {"input_ids": args.input_ids}
+        if args.json:
+            batch = {"prompts": [args.prompt]} if args.prompt is not None else {"input_ids": [args.input_ids]}
+            result = engine.generate(params=params, **batch)[0]
+            if result.error is not None:
+                raise result.error
+            print(json.dumps({"token_ids": result.token_ids, "text": result.text,
+                              "finish_reason": result.finish_reason,
+                              "usage": vars(result.usage)}))
+            return 0
+        final = {}
+
+        def show(event) -> None:
+            sys.stdout.write(event.text)
+            sys.stdout.flush()
+            if event.finished:
+                final["event"] = event
+
+        engine.submit(params=params, callback=show, **inputs)
+        while "event" not in final:
+            engine.step()
+        sys.stdout.write("\n")
+        event = final["event"]
+        if event.error is not None:
+            raise event.error
+        print(f"[{event.finish_reason}; prompt {event.usage.prompt_tokens} tokens, "
+              f"generated {event.usage.completion_tokens}]", file=sys.stderr)
+        return 0
+    except (EngineError, InvalidParams, ValueError) as e:
+        print(f"turbomq generate: error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        if engine is not None:
+            engine.close()
+
+
+def cmd_demo_model(args: argparse.Namespace) -> int:
+    from ..model.demo import write_demo_model
+    path = write_demo_model(args.out_dir, seed=args.seed)
+    print(path)
+    return 0
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from ..model.llama import parse_dtype
+    from ..model.weights import CheckpointError, convert_checkpoint
+    try:
+        convert_checkpoint(args.src, args.dst, dtype=parse_dtype(args.dtype) if args.dtype else None)
+    except (CheckpointError, ValueError) as e:
+        print(f"turbomq convert: error: {e}", file=sys.stderr)
+        return 2
+    print(args.dst)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="turbomq", description="LLaMA-family inference: persistent batch, paged LRU KV cache")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = sub.add_parser("generate", help="generate from one prompt in-process, streaming to stdout")
+    _add_engine_args(p)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--input-ids", type=_int_list, help="prompt token IDs, e.g. 1,2,3")
+    p.add_argument("--max-tokens", type=int, default=64, help="new tokens to generate")
+    p.add_argument("--temperature", type=float, default=1.0, help="0 means greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0 disables")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object: token_ids, text, finish_reason, usage")
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("broker", help="run the request broker (flags: turbomq broker --help)",
+                       add_help=False)
+    p.add_argument("broker_args", nargs=argparse.REMAINDER)
+
+    p = sub.add_parser("worker", help="serve a model to a broker (one engine per process)")
+    _add_engine_args(p)
+    p.add_argument("--broker", default="tcp://127.0.0.1:5556", help="the broker's back endpoint")
+    p.add_argument("--worker-id", default=None, help="default: worker-<random>")
+    p.add_argument("--model-id", default=None,
+                   help="the model's name for the broker and Redis (default: the model dir's name)")
+    p.add_argument("--redis-url", default=os.environ.get("REDIS_URL"),
+                   help="shared session store (default: $REDIS_URL; none: in-process, not shared)")
+    p.add_argument("--session-ttl", type=float, default=None,
+                   help="seconds an idle session is kept in Redis (default: until end_session)")
+    p.add_argument("--metrics-host", default="127.0.0.1", help="0.0.0.0 to be scraped from elsewhere")
+    p.add_argument("--metrics-port", type=int, default=0, help="/metrics port; 0 picks a free one")
+    p.add_argument("--no-metrics", action="store_true", help="serve no /metrics endpoint")
+    p.add_argument("--log-level", default="INFO")
+    p.set_defaults(func=cmd_worker)
+
+    p = sub.add_parser("up", help="broker + K workers (+ a local redis-server) on this machine")
+    p.add_argument("--model", required=True, help="model directory")
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--front", default=None,
+                   help="client endpoint (default tcp://127.0.0.1:5555; with --smoke a free port)")
+    p.add_argument("--redis-url", default=os.environ.get("REDIS_URL"),
+                   help="default: $REDIS_URL, else a temporary local redis-server when installed")
+    p.add_argument("--device", default="cpu", help="cpu, cuda (worker i on cuda:i) or cuda:N")
+    p.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], default=None)
+    p.add_argument("--kv-dtype", default=None, choices=["auto", "fp32", "fp16", "bf16", "int8"])
+    p.add_argument("--max-batch-size", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=None)
+    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--smoke", action="store_true",
+                   help="start everything, stream one generation through the client, stop, exit 0")
+    p.add_argument("--log-level", default="WARNING")
+    p.set_defaults(func=cmd_up)
+
+    p = sub.add_parser("chat", help="chat with the service in the terminal (one session, streamed)")
+    p.add_argument("--broker", default="tcp://127.0.0.1:5555", help="the broker's front endpoint")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--seed", type=int, default=None)
+    p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("demo-model", help="write the built-in demo model (HF format)")
+    p.add_argument("out_dir")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_demo_model)
+
+    p = sub.add_parser("convert", help="convert a HF or Meta checkpoint to turbomq's form")
+    p.add_argument("src")
+    p.add_argument("dst")
+    p.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], default=None)
+    p.set_defaults(func=cmd_convert)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["broker"]:  # the broker owns its flags
+        from turbomq.broker.main import main as broker_main
+        return broker_main(argv[1:])
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+

@@ -1,0 +1,30 @@
+"""EngineConfig: every setting of one engine, passed down to the scheduler
+and the model runner. Plain data: building one imports no torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    device: str = "cpu"
+    dtype: Optional[str] = None  # fp32 | fp16 | bf16; None: the checkpoint's
+    max_batch_size: int = 8  # slots of the persistent batch
+    block_size: int = 64
+    num_kv_blocks: Optional[int] = None  # None: sized from memory
+    kv_cache_fraction: float = 0.9  # of free device memory after weights (CUDA)
+    kv_dtype: str = "auto"  # auto | fp16 | bf16 | fp32 | int8
+    max_num_batched_tokens: int = 512  # token budget of one step (chunked prefill)
+    max_model_len: Optional[int] = None  # None: the model's max_position_embeddings
+    alloc_policy: str = "on_demand"  # upfront | on_demand | reserved
+    reserved_tokens: int = 64
+    cuda_graphs: bool = True  # decode steps replay captured graphs (CUDA, fp16/bf16)
+    # With graphs: launch decode step t+1 before reading step t's tokens, so
+    # the host's work between steps overlaps the GPU's.
+    overlap_steps: bool = True
+    # Ranks (devices) each layer is split over; rank 0 runs in this process on
+    # `device`, rank r on the device r after it (engine/ranks.py).
+    tensor_parallel: int = 1

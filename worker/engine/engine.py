@@ -1,0 +1,659 @@
+"""The engine: a persistent batch over the paged LRU KV cache.
+
+One step thread owns the scheduler, the KV manager and the model; other
+threads talk to it through an inbox (submissions, cancels) and get tokens back
+through per-request callbacks invoked at the end of every step."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+import uuid
+from pathlib import Path
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Callable, Optional, Sequence as Seq, Union
+
+import numpy as np
+
+from . import errors, ranks
+from .config import EngineConfig
+from .output import TextStream
+from .runner import ModelRunner, SampledTokens, StepInputs
+from .sampling_params import SamplingParams, SeedRNG
+from .scheduler import AllocPolicy, Scheduler, SchedulerConfig, Sequence, SeqStatus, StepPlan
+from .session_store import (InMemorySessionStore, SessionModelMismatch, SessionStore,
+                            SessionStoreError)
+from .tokenizer import Tokenizer
+from ..model.weights import load_checkpoint
+from ..._native import KVCacheManager, SeqState
+
+log = logging.getLogger("turbomq.engine")
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int  # session history + this turn's prompt
+    cached_tokens: int  # of those, reused from resident KV
+    completion_tokens: int
+
+
+@dataclass
+class StreamEvent:
+    request_id: str
+    token_ids: list[int]  # new since the last event
+    text: str  # new text since the last event
+    finished: bool = False
+    finish_reason: Optional[str] = None  # stop | length | cancelled | error
+    usage: Optional[Usage] = None
+    error: Optional[errors.EngineError] = None
+
+
+@dataclass
+class GenerationResult:
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: Optional[str]
+    usage: Optional[Usage]
+    error: Optional[errors.EngineError] = None
+
+
+Callback = Callable[[StreamEvent], None]
+
+
+@dataclass
+class _EndSession:
+    session_id: str
+    had_kv: bool = False
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass(eq=False)
+class _Launched:
+    """A step on the device whose sampled tokens the host has not read."""
+    plan: StepPlan
+    seqs: list[Sequence]  # the rows that sample, in order
+    tokens: SampledTokens  # theirs
+    graphed: bool  # a decode graph step, whose successor may launch before it is read
+
+
+@dataclass(eq=False)
+class _Request:
+    seq: Sequence
+    text: TextStream
+    rng: SeedRNG
+    callback: Callback
+    cancelled: bool = False
+    emitted_tokens: int = 0
+    submitted: float = field(default_factory=time.monotonic)
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, session_store: Optional[SessionStore] = None,
+                 model=None):
+        """`model` injects an already built LlamaModel (benchmarks with random
+        weights); otherwise it is loaded from `config.model`."""
+        self.config = config
+        if config.tensor_parallel < 1:
+            raise ValueError("tensor_parallel must be >= 1")
+        self.ranks: Optional[ranks.Ranks] = None
+        checkpoint = None
+        if model is None:
+            checkpoint = load_checkpoint(config.model)
+            if config.tensor_parallel > 1:
+                self.ranks = ranks.start(config, checkpoint.config)
+        elif config.tensor_parallel > 1:
+            raise ValueError("tensor_parallel > 1 loads its model from config.model")
+        self.runner = ModelRunner(config, tp=self.ranks.tp if self.ranks else None,
+                                  checkpoint=checkpoint, model=model)
+        del checkpoint
+        self.model_config = self.runner.model.config
+        # A model without tokenizer.json still serves token IDs (no text).
+        self.tokenizer = (Tokenizer.from_dir(config.model)
+                          if (Path(config.model) / "tokenizer.json").exists() else None)
+        self.eos_ids = set(self.model_config.eos_token_ids)
+        if self.tokenizer is not None:
+            self.eos_ids |= set(self.tokenizer.eos_token_ids)
+        self.max_model_len = self.runner.max_model_len
+        num_blocks = self.runner.kv_blocks_that_fit()
+        if self.ranks is not None:
+            self.ranks.send_pool(num_blocks)
+        self.runner.allocate_kv(num_blocks)
+        self.kv_manager = KVCacheManager(num_blocks, config.block_size)
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_batch_size=config.max_batch_size,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=self.max_model_len, block_size=config.block_size,
+            alloc_policy=AllocPolicy(config.alloc_policy),
+            reserved_tokens=config.reserved_tokens), self.kv_manager)
+        self.session_store: SessionStore = session_store or InMemorySessionStore()
+
+        self._inbox: "queue.SimpleQueue[tuple[str, object]]" = queue.SimpleQueue()
+        self._lock = threading.Lock()  # guards _live and _busy_sessions
+        self._live: dict[str, _Request] = {}
+        self._busy_sessions: set[str] = set()
+        self._session_keys: dict[str, int] = {}
+        self._session_kv_tokens: dict[str, list[int]] = {}  # tokens whose KV is resident
+        self._keys = itertools.count(1)
+        self._wakeup = threading.Event()
+        self._launched: Optional[_Launched] = None
+        self._thread: Optional[threading.Thread] = None
+        self._stopping = False
+        # Called on the step thread after every step that did something, with
+        # (plan or None, seconds): the one safe place to read engine state for
+        # metrics and heartbeats. plan is None when only the inbox was drained.
+        self.step_observer: Optional[Callable[[Optional[StepPlan], float], None]] = None
+        self.counters = {"requests_finished": 0, "prompt_tokens": 0, "generated_tokens": 0,
+                         "reused_tokens": 0, "reprefilled_tokens": 0, "steps": 0,
+                         "overlapped_steps": 0}
+
+    @property
+    def max_tokens_in_pool(self) -> int:
+        return self.kv_manager.num_blocks * self.config.block_size
+
+    # ------------------------------------------------------------ public API
+    def submit(self, input_ids: Optional[Seq[int]] = None, params: Optional[SamplingParams] = None,
+               session_id: Optional[str] = None, callback: Optional[Callback] = None,
+               prompt: Optional[str] = None, request_id: Optional[str] = None,
+               resume_tokens: Seq[int] = ()) -> str:
+        """Queue one request; tokens reach `callback` from the step thread.
+        `resume_tokens` continues a generation that another worker started:
+        those tokens count as already generated and delivered (they are not
+        streamed again) and the seeded sampler skips their draws.
+        Raises a typed EngineError for bad input; nothing is queued then."""
+        params = params or SamplingParams()
+        params.validate(self.model_config.vocab_size)
+        if (input_ids is None) == (prompt is None):
+            raise errors.InvalidRequest("give exactly one of prompt or input_ids")
+        if params.stop and self.tokenizer is None:
+            raise errors.InvalidRequest("stop strings need a model with a tokenizer")
+        if prompt is not None:
+            if self.tokenizer is None:
+                raise errors.InvalidRequest("this model has no tokenizer: send input_ids")
+            if not isinstance(prompt, str):
+                raise errors.InvalidRequest("prompt must be a string")
+            input_ids = self.tokenizer.encode(prompt, add_bos=session_id is None or
+                                              not self._session_has_history(session_id))
+        new_prompt = self._check_ids(input_ids)
+        resume = self._check_ids(resume_tokens, allow_empty=True)
+        if len(resume) >= params.max_tokens:
+            raise errors.InvalidRequest(
+                f"{len(resume)} resumed tokens already reach max_tokens={params.max_tokens}")
+        if session_id is not None and not isinstance(session_id, str):
+            raise errors.InvalidRequest("session_id must be a string")
+        request_id = request_id or uuid.uuid4().hex
+        history: list[int] = []
+        if session_id is not None:
+            with self._lock:
+                if session_id in self._busy_sessions:
+                    raise errors.SessionBusy(f"session {session_id!r} already has a request in flight")
+                self._busy_sessions.add(session_id)
+            try:
+                history = self._read_history(session_id)
+            except errors.EngineError:
+                with self._lock:
+                    self._busy_sessions.discard(session_id)
+                raise
+        tokens = history + new_prompt + resume
+        limit = min(self.max_model_len, self.max_tokens_in_pool)
+        if len(tokens) >= limit:
+            if session_id is not None:
+                with self._lock:
+                    self._busy_sessions.discard(session_id)
+            raise errors.PromptTooLong(
+                f"prompt of {len(new_prompt)} tokens plus {len(history)} session tokens leaves no "
+                f"room to generate within the context limit of {limit} tokens")
+        prompt_len = len(history) + len(new_prompt)
+        seq = Sequence(request_id=request_id, kv_key=0, session_id=session_id, tokens=tokens,
+                       prompt_len=prompt_len, params=params, history_len=len(history))
+        text = TextStream(self.tokenizer, tokens[max(prompt_len - 8, 0):prompt_len], params.stop)
+        for token in resume:  # already delivered: only advance the detokenizer
+            text.push(token)
+        req = _Request(seq=seq, text=text,
+                       rng=SeedRNG(params.seed).advance(0 if params.is_greedy else len(resume)),
+                       callback=callback or (lambda _e: None), emitted_tokens=len(resume))
+        with self._lock:
+            if request_id in self._live:
+                raise errors.InvalidRequest(f"request id {request_id!r} is already in use")
+            self._live[request_id] = req
+        self._inbox.put(("submit", req))
+        self._wakeup.set()
+        return request_id
+
+    def cancel(self, request_id: str) -> None:
+        with self._lock:
+            if request_id not in self._live:
+                raise errors.UnknownRequest(f"no request {request_id!r} in flight (finished or never submitted)")
+        self._inbox.put(("cancel", request_id))
+        self._wakeup.set()
+
+    def end_session(self, session_id: str) -> None:
+        """Forget a session: its KV blocks and its stored token IDs."""
+        with self._lock:
+            if session_id in self._busy_sessions:
+                raise errors.SessionBusy(f"session {session_id!r} has a request in flight")
+        try:
+            in_store = self.session_store.drop(session_id)
+        except SessionStoreError as e:
+            raise errors.SessionStoreUnavailable(str(e)) from e
+        ending = _EndSession(session_id)
+        self._inbox.put(("end_session", ending))
+        self._wakeup.set()
+        if self._thread is None:
+            self._drain_inbox()
+        ending.done.wait()
+        if not (in_store or ending.had_kv):
+            raise errors.UnknownSession(f"no session {session_id!r}")
+
+    def evict_session(self, session_id: str) -> None:
+        """Drop a cached session's KV (its token IDs stay in the store): its
+        next turn is a miss and re-prefills. For forced moves and tests."""
+        ending = _EndSession(session_id)
+        self._inbox.put(("evict_session", ending))
+        self._wakeup.set()
+        if self._thread is None:
+            self._drain_inbox()
+        ending.done.wait()
+        if not ending.had_kv:
+            raise errors.UnknownSession(f"session {session_id!r} has no cached KV here")
+
+    def generate(self, prompts: Optional[Union[str, Seq[str]]] = None,
+                 input_ids: Optional[Seq[Seq[int]]] = None,
+                 params: Optional[SamplingParams] = None,
+                 session_id: Optional[str] = None) -> list[GenerationResult]:
+        """Offline batch generation; one result per input, in order."""
+        if (prompts is None) == (input_ids is None):
+            raise errors.InvalidRequest("give exactly one of prompts or input_ids")
+        inputs = [prompts] if isinstance(prompts, str) else list(prompts if prompts is not None else input_ids)
+        if session_id is not None and len(inputs) != 1:
+            raise errors.InvalidRequest("a session takes one input per call")
+        results: dict[str, GenerationResult] = {}
+        done = threading.Event()
+        ids: list[str] = []
+
+        def collect(event: StreamEvent) -> None:
+            r = results[event.request_id]
+            r.token_ids.extend(event.token_ids)
+            r.text += event.text
+            if event.finished:
+                r.finish_reason, r.usage, r.error = event.finish_reason, event.usage, event.error
+                if all(results[i].finish_reason is not None for i in ids):
+                    done.set()
+
+        for item in inputs:
+            rid = uuid.uuid4().hex
+            results[rid] = GenerationResult(rid, [], "", None, None)
+            ids.append(rid)
+            kwargs = {"prompt": item} if prompts is not None else {"input_ids": item}
+            try:
+                self.submit(params=params, session_id=session_id, callback=collect,
+                            request_id=rid, **kwargs)
+            except Exception:
+                # all or nothing: withdraw what this call already queued
+                ids.pop()
+                for submitted in ids:
+                    self.cancel(submitted)
+                self._wait(done, ids, results)
+                raise
+        self._wait(done, ids, results)
+        return [results[i] for i in ids]
+
+    async def stream(self, input_ids: Optional[Seq[int]] = None,
+                     params: Optional[SamplingParams] = None, session_id: Optional[str] = None,
+                     prompt: Optional[str] = None) -> AsyncIterator[StreamEvent]:
+        """Async streaming form: yields an event per step until the request finishes.
+        Runs the step loop in its background thread."""
+        self.start()
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[StreamEvent] = asyncio.Queue()
+        rid = self.submit(input_ids=input_ids, params=params, session_id=session_id, prompt=prompt,
+                          callback=lambda e: loop.call_soon_threadsafe(events.put_nowait, e))
+        try:
+            while True:
+                event = await events.get()
+                yield event
+                if event.finished:
+                    return
+        finally:
+            with self._lock:
+                live = rid in self._live
+            if live:
+                self.cancel(rid)
+
+    def stats(self) -> dict:
+        kv = self.kv_manager.stats()
+        return {
+            "evictions": kv["evictions"],
+            "evicted_tokens": kv["evicted_tokens"],
+            "cache_hits": self.scheduler.cache_hits,
+            "cache_misses": self.scheduler.cache_misses,
+            "preemptions": self.scheduler.preemptions,
+            "slots_total": self.config.max_batch_size,
+            "slots_active": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "kv_blocks_total": self.kv_manager.num_blocks,
+            "kv_tokens_capacity": self.max_tokens_in_pool,
+            "kv_blocks_used": self.kv_manager.num_used_blocks,
+            "sessions_active": kv["active_sequences"], "sessions_cached": kv["cached_sequences"],
+            "sessions_evicted": kv["evicted_sequences"],
+            **self.counters,
+        }
+
+    # ------------------------------------------------------- step thread
+    def start(self) -> None:
+        if self._thread is None:
+            self._stopping = False
+            self._thread = threading.Thread(target=self._loop, name="turbomq-engine", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self._stopping = True
+            self._wakeup.set()
+            self._thread.join()
+            self._thread = None
+
+    def close(self) -> None:
+        """Stop, and end the other tensor-parallel ranks; the engine is done."""
+        self.stop()
+        if self.ranks is not None:
+            self.runner.release_graphs()
+            self.ranks.close()
+            self.ranks = None
+
+    def _loop(self) -> None:
+        while not self._stopping:
+            if not self.step():
+                self._wakeup.wait(0.05)
+                self._wakeup.clear()
+
+    def _wait(self, done: threading.Event, ids: list[str], results: dict) -> None:
+        if not ids:
+            return
+        if self._thread is not None:
+            done.wait()
+            return
+        while not done.is_set():
+            self.step()
+
+    def has_work(self) -> bool:
+        return (not self._inbox.empty() or self.scheduler.has_work()
+                or self._launched is not None)
+
+    def step(self) -> bool:
+        """Run one step; False when there was nothing to do.
+
+        A decode graph step is left running: the next call schedules and
+        launches its successor first (its input tokens taken on the device)
+        and only then reads the tokens and streams them out. Anything else —
+        a request waiting to join, a prefill chunk, a repetition penalty that
+        needs the token history — reads the previous step's tokens first."""
+        drained = self._drain_inbox()
+        prev = self._launched
+        if prev is not None and not (prev.graphed and not self.scheduler.waiting):
+            self._settle()
+            prev = None
+        if not self.scheduler.has_work():
+            self._settle()  # a step whose sequences were all cancelled
+            if drained:
+                self._observe(None, 0.0)
+            return False
+        plan = self.scheduler.schedule()
+        if prev is not None and not self._runs_ahead(plan):
+            self._settle()  # may finish sequences the plan holds
+            prev = None
+            plan.scheduled = [i for i in plan.scheduled if i.seq.status is SeqStatus.RUNNING]
+        if plan.empty:
+            if prev is not None:
+                self._settle()
+            return True
+        start = time.perf_counter()
+        if prev is not None:
+            self.counters["overlapped_steps"] += 1
+        try:
+            self._launched = self._launch(plan, prev)
+        except Exception as exc:  # a failed forward fails its requests, not the engine
+            self._launched = None
+            self._fail_plan(plan, exc)
+        else:
+            self.scheduler.commit(plan)
+        if prev is not None:
+            self._deliver(prev)
+        if self._launched is not None and not self._launched.graphed:
+            self._settle()
+        self.counters["steps"] += 1
+        self._observe(plan, time.perf_counter() - start)
+        return True
+
+    def _runs_ahead(self, plan: StepPlan) -> bool:
+        """Whether `plan` may launch before the previous step's tokens are
+        read: a decode graph step whose sampling needs no token history."""
+        # Not under tensor parallelism: the other ranks take every input token
+        # from the host.
+        return (self.config.overlap_steps and self.ranks is None and self._graphed(plan)
+                and all(i.seq.params.repetition_penalty == 1.0 for i in plan.scheduled))
+
+    def _graphed(self, plan: StepPlan) -> bool:
+        """A decode-only step (one sampled token per sequence) that a captured
+        graph runs."""
+        items = plan.scheduled
+        return (bool(items) and all(i.num_new_tokens == 1 and i.samples for i in items)
+                and self.runner.graphable(len(items), max(i.seq.num_computed + 1 for i in items)))
+
+    def _settle(self) -> None:
+        launched, self._launched = self._launched, None
+        if launched is not None:
+            self._deliver(launched)
+
+    def _fail_plan(self, plan: StepPlan, exc: Exception) -> None:
+        log.exception("step failed")
+        for item in plan.scheduled:
+            req = self._live.get(item.seq.request_id)
+            if req is not None and item.seq.status is not SeqStatus.FINISHED:
+                self._finish(req, "error", keep_kv=False,
+                             error=errors.EngineError(f"step failed: {exc}"))
+
+    def _observe(self, plan: Optional[StepPlan], seconds: float) -> None:
+        if self.step_observer is not None:
+            try:
+                self.step_observer(plan, seconds)
+            except Exception:  # a metrics bug must not stop the batch
+                log.exception("step observer failed")
+
+    def resident_sessions(self) -> set[str]:
+        """Sessions whose KV is resident (active or cached). Step thread only
+        (e.g. from step_observer): it reads the KV manager."""
+        kv = self.kv_manager
+        return {sid for sid, key in self._session_keys.items()
+                if kv.contains(key) and kv.state(key) != SeqState.EVICTED}
+
+    def _launch(self, plan: StepPlan, prev: Optional[_Launched]) -> _Launched:
+        """Queue the step's forward and sampling on the device. A sequence whose
+        input token is still in flight (in `prev`) reads it on the device."""
+        bs = self.config.block_size
+        q_lens, ctx_lens, ids, keys = [], [], [], []
+        prev_rows: Optional[list[int]] = None
+        in_prev = {id(s): r for r, s in enumerate(prev.seqs)} if prev is not None else {}
+        for item in plan.scheduled:
+            seq = item.seq
+            start = seq.num_computed
+            known = seq.tokens[start:start + item.num_new_tokens]
+            if len(known) < item.num_new_tokens:  # decode of the token in flight
+                if prev_rows is None:
+                    prev_rows = [-1] * len(keys)
+                prev_rows.append(in_prev[id(seq)])
+                known = [0]
+            elif prev_rows is not None:
+                prev_rows.append(-1)
+            ids.extend(known)
+            q_lens.append(item.num_new_tokens)
+            ctx_lens.append(start + item.num_new_tokens)
+            keys.append(seq.kv_key)
+        width = (max(ctx_lens) + bs - 1) // bs
+        step = StepInputs(ids, q_lens, ctx_lens, self.kv_manager.block_tables(keys, width),
+                          self._graphed(plan), prev_rows)
+        if self.ranks is not None:  # the other ranks run this forward with us
+            self.ranks.send_step(step)
+        rows = [i for i, item in enumerate(plan.scheduled) if item.samples]
+        seqs = [plan.scheduled[i].seq for i in rows]
+        reqs = [self._live[s.request_id] for s in seqs]
+        tokens = self.runner.launch(step, rows, [s.params for s in seqs], [r.rng for r in reqs],
+                                    [s.tokens for s in seqs])
+        return _Launched(plan, seqs, tokens, step.graphed)
+
+    def _deliver(self, launched: _Launched) -> None:
+        """Read a launched step's tokens and stream them out; a sequence
+        finished meanwhile (stopped, cancelled) drops its token."""
+        try:
+            tokens = launched.tokens.read()
+        except Exception as exc:
+            self._fail_plan(launched.plan, exc)
+            return
+        for seq, token in zip(launched.seqs, tokens):
+            if seq.status is SeqStatus.FINISHED:
+                continue
+            self.scheduler.deliver(seq, token)
+            self._on_token(self._live[seq.request_id], token)
+
+    def _on_token(self, req: _Request, token: int) -> None:
+        seq, params = req.seq, req.seq.params
+        delta, hit_stop = req.text.push(token)
+        reason = None
+        if hit_stop or token in params.stop_token_ids or (token in self.eos_ids and not params.ignore_eos):
+            reason = "stop"
+        elif seq.num_generated >= params.max_tokens or len(seq.tokens) >= self.max_model_len:
+            reason = "length"
+        if reason is None:
+            self._emit(req, delta)
+            return
+        if not hit_stop:
+            delta += req.text.finish()
+        self._finish(req, reason, keep_kv=seq.session_id is not None, delta=delta)
+
+    def _emit(self, req: _Request, delta: str, **final) -> None:
+        new = req.seq.generated[req.emitted_tokens:]
+        req.emitted_tokens += len(new)
+        event = StreamEvent(req.seq.request_id, new, delta, **final)
+        try:
+            req.callback(event)
+        except Exception:  # a consumer's bug must not stop the batch
+            log.exception("stream callback failed for %s", req.seq.request_id)
+
+    def _finish(self, req: _Request, reason: str, keep_kv: bool, delta: str = "",
+                error: Optional[errors.EngineError] = None) -> None:
+        seq = req.seq
+        session = seq.session_id
+        if session is not None and error is None and reason != "cancelled":
+            # The turn is durable before its final event reaches anyone.
+            try:
+                self.session_store.append_tokens(session, seq.tokens[seq.history_len:])
+            except SessionStoreError as e:
+                error, reason, keep_kv = errors.SessionStoreUnavailable(str(e)), "error", False
+        if session is not None:
+            if keep_kv and error is None and reason != "cancelled":
+                self._session_kv_tokens[session] = seq.tokens[:seq.num_computed]
+            else:
+                self._forget_session_kv(session, seq)
+                keep_kv = False
+        self.scheduler.finish(seq, reason, keep_kv=keep_kv)
+        self.counters["requests_finished"] += 1
+        self.counters["prompt_tokens"] += seq.prompt_len
+        self.counters["generated_tokens"] += seq.num_generated
+        self.counters["reprefilled_tokens"] += seq.reprefilled_tokens
+        self.counters["reused_tokens"] += seq.cached_tokens
+        usage = Usage(seq.prompt_len, seq.cached_tokens, seq.num_generated)
+        with self._lock:
+            self._live.pop(seq.request_id, None)
+            if session is not None:
+                self._busy_sessions.discard(session)
+        self._emit(req, delta, finished=True, finish_reason=reason, usage=usage, error=error)
+
+    def _forget_session_kv(self, session: str, seq: Sequence) -> None:
+        self._session_kv_tokens.pop(session, None)
+        key = self._session_keys.pop(session, None)
+        if key is not None and key != seq.kv_key and self.kv_manager.contains(key):
+            self.kv_manager.erase(key)
+
+    # ----------------------------------------------------------- inbox
+    def _drain_inbox(self) -> bool:
+        """Handle queued submissions and commands; True if there were any."""
+        drained = False
+        while True:
+            try:
+                kind, payload = self._inbox.get_nowait()
+            except queue.Empty:
+                return drained
+            drained = True
+            if kind == "submit":
+                self._admit_request(payload)
+            elif kind == "cancel":
+                req = self._live.get(payload)
+                if req is not None and req.seq.status is not SeqStatus.FINISHED:
+                    self._finish(req, "cancelled", keep_kv=False)
+            elif kind == "evict_session":
+                key = self._session_keys.get(payload.session_id)
+                payload.had_kv = (key is not None and self.kv_manager.contains(key) and
+                                  self.kv_manager.state(key) == SeqState.CACHED)
+                if payload.had_kv:
+                    self.kv_manager.evict(key)
+                payload.done.set()
+            elif kind == "end_session":
+                key = self._session_keys.pop(payload.session_id, None)
+                self._session_kv_tokens.pop(payload.session_id, None)
+                payload.had_kv = key is not None
+                if key is not None and self.kv_manager.contains(key):
+                    self.kv_manager.erase(key)
+                payload.done.set()
+
+    def _admit_request(self, req: _Request) -> None:
+        seq = req.seq
+        sid = seq.session_id
+        if sid is None:
+            seq.kv_key = next(self._keys)
+        else:
+            key = self._session_keys.get(sid)
+            resident = self._session_kv_tokens.get(sid)
+            history = seq.tokens[:seq.history_len]
+            if key is not None and (resident is None or history[:len(resident)] != resident):
+                # The session moved on elsewhere (or was rebuilt): our KV is stale.
+                if self.kv_manager.contains(key):
+                    self.kv_manager.erase(key)
+                key = None
+            if key is None:
+                key = next(self._keys)
+                self._session_keys[sid] = key
+            seq.kv_key = key
+        self.scheduler.add(seq)
+
+    # ----------------------------------------------------------- helpers
+    def _session_has_history(self, session_id: str) -> bool:
+        try:
+            return bool(self.session_store.get_tokens(session_id))
+        except SessionStoreError as e:
+            raise errors.SessionStoreUnavailable(str(e)) from e
+
+    def _read_history(self, session_id: str) -> list[int]:
+        try:
+            return self.session_store.get_tokens(session_id) or []
+        except SessionModelMismatch as e:
+            raise errors.InvalidRequest(str(e)) from e
+        except SessionStoreError as e:
+            raise errors.SessionStoreUnavailable(str(e)) from e
+
+    def _check_ids(self, input_ids: object, allow_empty: bool = False) -> list[int]:
+        if isinstance(input_ids, (str, bytes)) or not hasattr(input_ids, "__iter__"):
+            raise errors.InvalidRequest("input_ids must be a list of integers")
+        ids = list(input_ids)
+        if not ids and not allow_empty:
+            raise errors.InvalidRequest("prompt is empty")
+        vocab = self.model_config.vocab_size
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
+                raise errors.InvalidRequest(f"input_ids must be integers, got {type(t).__name__}")
+            if not 0 <= t < vocab:
+                raise errors.InvalidRequest(f"token id {t} outside the vocabulary [0, {vocab})")
+        return [int(t) for t in ids]

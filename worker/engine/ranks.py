@@ -1,0 +1,135 @@
+"""Tensor parallelism, the engine's side: one process per device, rank 0
+schedules.
+
+Rank 0 runs the engine: scheduler, KV manager, sampling. It starts ranks
+1.. (`start`), and for every forward it broadcasts the step's inputs (token
+ids, query and context lengths, block tables, whether a decode graph runs
+it) over the host group. The other ranks (`follow`) build the same
+ModelRunner and run the same forward, eagerly or by replaying the same
+captured graph (all-reduces inside), and discard the logits.
+docs/engine.md, Tensor parallel."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import socket
+from typing import Optional, Union
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ..model.config import ModelConfig
+from ..model.parallel import ParallelConfig, TensorParallel, check_divisible, device_for
+from .config import EngineConfig
+from .runner import ModelRunner, StepInputs
+
+log = logging.getLogger("turbomq.parallel")
+
+_STOP, _POOL, _FORWARD, _GRAPHED = 0, 1, 2, 3
+_HEADER = 5  # kind, sequences, tokens, table width, pool blocks
+
+
+class Ranks:
+    """Rank 0's handle on the group: it announces every forward to the
+    other ranks and stops them."""
+
+    def __init__(self, tp: TensorParallel, followers: list):
+        self.tp = tp
+        self.followers = followers  # the processes of ranks 1..
+
+    def send_pool(self, num_blocks: int) -> None:
+        """How many blocks every rank's pool holds."""
+        _broadcast(self.tp, torch.tensor([_POOL, 0, 0, 0, num_blocks], dtype=torch.long))
+
+    def send_step(self, step: StepInputs) -> None:
+        """The inputs of the forward rank 0 is about to run."""
+        tables = np.asarray(step.tables, dtype=np.int64)
+        kind = _GRAPHED if step.graphed else _FORWARD
+        _broadcast(self.tp, torch.tensor([kind, len(step.q_lens), len(step.ids), tables.shape[1], 0],
+                                         dtype=torch.long))
+        _broadcast(self.tp, torch.cat([
+            torch.tensor(step.ids + step.q_lens + step.ctx_lens, dtype=torch.long),
+            torch.from_numpy(tables.reshape(-1))]))
+
+    def close(self) -> None:
+        """Stop the other ranks, wait for them, leave the group."""
+        try:
+            _broadcast(self.tp, torch.tensor([_STOP, 0, 0, 0, 0], dtype=torch.long))
+        finally:
+            for p in self.followers:
+                p.join(15)
+                if p.is_alive():
+                    p.kill()
+            self.followers = []
+            self.tp.leave()
+
+
+def _broadcast(tp: TensorParallel, t: torch.Tensor) -> None:
+    dist.broadcast(t, 0, group=tp.host_group)
+
+
+def _receive(tp: TensorParallel) -> Optional[Union[int, StepInputs]]:
+    """Ranks > 0: the next step's inputs, the pool's block count, or None to stop."""
+    header = torch.empty(_HEADER, dtype=torch.long)
+    _broadcast(tp, header)
+    kind, n, t, width, blocks = header.tolist()
+    if kind == _STOP:
+        return None
+    if kind == _POOL:
+        return blocks
+    body = torch.empty(t + 2 * n + n * width, dtype=torch.long)
+    _broadcast(tp, body)
+    return StepInputs(ids=body[:t].tolist(), q_lens=body[t:t + n].tolist(),
+                      ctx_lens=body[t + n:t + 2 * n].tolist(),
+                      tables=body[t + 2 * n:].reshape(n, width).numpy(),
+                      graphed=kind == _GRAPHED)
+
+
+def start(config: EngineConfig, model_config: ModelConfig) -> Ranks:
+    """Rank 0, in the engine's process: start ranks 1.. (one process each,
+    spawned) and form the group with them."""
+    size = config.tensor_parallel
+    check_divisible(model_config, size)
+    with socket.socket() as s:  # a free port for the group's rendezvous
+        s.bind(("127.0.0.1", 0))
+        init_method = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    ctx = mp.get_context("spawn")  # a fresh interpreter: no forked CUDA or threads
+    followers = [ctx.Process(target=follow, args=(config, r, init_method), daemon=True,
+                             name=f"turbomq-rank{r}") for r in range(1, size)]
+    for p in followers:
+        p.start()
+    try:
+        tp = TensorParallel(ParallelConfig(size, 0, init_method), device_for(config.device, 0))
+    except BaseException:
+        for p in followers:
+            p.kill()
+        raise
+    log.info("tensor parallel over %d ranks (%s)", size, config.device)
+    return Ranks(tp, followers)
+
+
+def follow(config: EngineConfig, rank: int, init_method: str) -> None:
+    """Ranks > 0, in their own process: load this rank's slice, then run every
+    forward rank 0 announces until it says stop."""
+    torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+    tp = TensorParallel(ParallelConfig(config.tensor_parallel, rank, init_method),
+                        device_for(config.device, rank))
+    runner = None
+    try:
+        runner = ModelRunner(config, tp=tp)
+        num_blocks = _receive(tp)
+        if num_blocks is None:  # rank 0 gave up before sizing its pool
+            return
+        runner.allocate_kv(num_blocks)  # the same pool and graphs as rank 0's
+        while (step := _receive(tp)) is not None:
+            runner.forward(step)
+    finally:
+        if runner is not None:
+            runner.release_graphs()
+    # Gone without tearing the group down: rank 0 is done with it, and NCCL's
+    # teardown may wait on what captured graphs held.
+    logging.shutdown()
+    os._exit(0)

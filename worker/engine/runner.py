@@ -1,0 +1,164 @@
+"""The model runner: the one owner of tensors.
+
+It builds the model (this rank's slice under tensor parallelism), the paged
+KV pool and the decode graphs, and runs the forward step. The same code runs
+on every rank: rank 0's engine calls `launch` (forward, then sampling), the
+other ranks call `forward` with the inputs rank 0 announced (engine/ranks.py).
+The engine above it holds no tensors: it hands a step over as `StepInputs`
+(plain ints) and reads the sampled tokens back as ints."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+from ..model.cuda_graphs import DecodeGraphs, graphs_supported
+from ..model.kv_cache import PagedKVCache, resolve_kv_dtype
+from ..model.llama import LlamaModel, parse_dtype
+from ..model.ops import AttentionBatch
+from ..model.parallel import TensorParallel, device_for
+from ..model.sampler import sample
+from ..model.weights import Checkpoint, load_checkpoint
+from .config import EngineConfig
+
+log = logging.getLogger("turbomq.engine")
+
+CPU_KV_BYTES_DEFAULT = 1 << 30  # pool cap on CPU when num_kv_blocks is not given
+
+
+@dataclass
+class StepInputs:
+    """One forward's inputs, host side; rank 0 sends them to the other ranks."""
+    ids: list[int]  # new tokens, flattened sequence by sequence
+    q_lens: list[int]  # new tokens per sequence
+    ctx_lens: list[int]  # KV length per sequence after this step
+    tables: np.ndarray  # [sequences, width] block tables, -1 padded
+    graphed: bool  # a decode step that a captured graph runs
+    # Rank 0, graphed steps only: row i >= 0 takes its input token from row
+    # prev_rows[i] of the previous step's sampled tokens, still on the device.
+    prev_rows: Optional[list[int]] = None
+
+
+@dataclass(eq=False)
+class SampledTokens:
+    """A launched step's sampled tokens, on their way to the host."""
+    tokens: torch.Tensor  # on the host once `ready` has passed
+    ready: Optional[torch.cuda.Event]  # None: already on the host
+
+    def read(self) -> list[int]:
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.tokens.tolist()
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, tp: Optional[TensorParallel] = None,
+                 checkpoint: Optional[Checkpoint] = None, model: Optional[LlamaModel] = None):
+        """`model` injects an already built model (benchmarks with random
+        weights); otherwise this rank's part is built from `checkpoint`, or
+        loaded from `config.model`."""
+        self.config = config
+        self.device = device_for(config.device, tp.rank if tp is not None else 0)
+        if model is None:
+            checkpoint = checkpoint or load_checkpoint(config.model)
+            dtype = parse_dtype(config.dtype) if config.dtype else None
+            model = LlamaModel(checkpoint.config, checkpoint.tensors, self.device, dtype, tp=tp)
+            del checkpoint
+        self.model = model
+        mc = model.config
+        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings,
+                                 mc.max_position_embeddings)
+        self.kv_dtype = resolve_kv_dtype(config.kv_dtype, model.dtype)
+        self.kv_cache: Optional[PagedKVCache] = None
+        self.graphs: Optional[DecodeGraphs] = None
+        # Two pinned buffers for sampled tokens, one per step in flight.
+        self._token_buffers = ([torch.empty(config.max_batch_size, dtype=torch.long,
+                                            pin_memory=True) for _ in range(2)]
+                               if self.device.type == "cuda" else [])
+        self._token_turn = 0
+
+    # ------------------------------------------------------------ the pool
+    def kv_blocks_that_fit(self) -> int:
+        """Blocks of the KV pool: the configured count, or what memory allows."""
+        cfg, mc = self.config, self.model.config
+        if cfg.num_kv_blocks is not None:
+            if cfg.num_kv_blocks < 1:
+                raise ValueError("num_kv_blocks must be >= 1")
+            return cfg.num_kv_blocks
+        per_block = PagedKVCache.bytes_per_block(mc.num_layers, cfg.block_size,
+                                                 self.model.num_kv_heads, mc.head_dim,
+                                                 self.kv_dtype)
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free * cfg.kv_cache_fraction)
+        else:
+            want = cfg.max_batch_size * self.max_model_len * per_block // cfg.block_size
+            budget = min(want + per_block, CPU_KV_BYTES_DEFAULT)
+        return max(budget // per_block, 1)
+
+    def allocate_kv(self, num_blocks: int) -> None:
+        """The pool of `num_blocks` blocks plus one, owned by no sequence,
+        that absorbs the padding rows of decode graphs; then the graphs."""
+        cfg, mc = self.config, self.model.config
+        self.kv_cache = PagedKVCache(mc.num_layers, num_blocks + 1, cfg.block_size,
+                                     self.model.num_kv_heads, mc.head_dim, self.kv_dtype,
+                                     self.device)
+        if cfg.cuda_graphs and graphs_supported(self.model, self.kv_cache):
+            self.graphs = DecodeGraphs(self.model, self.kv_cache, cfg.max_batch_size,
+                                       self.max_model_len, scratch_block=num_blocks)
+        log.info("KV pool: %d blocks of %d tokens = %d tokens (%s, %.2f GiB)", num_blocks,
+                 cfg.block_size, num_blocks * cfg.block_size, self.kv_dtype,
+                 self.kv_cache.nbytes / 2**30)
+
+    def release_graphs(self) -> None:
+        """Free captured graphs (before a tensor-parallel group goes: NCCL's
+        teardown waits for graphs that still hold its collectives)."""
+        if self.graphs is not None:
+            self.graphs.release()
+            torch.cuda.synchronize(self.device)
+
+    # ------------------------------------------------------------ steps
+    def graphable(self, batch_size: int, max_context: int) -> bool:
+        """Whether a decode step of this shape can replay a captured graph."""
+        return self.graphs is not None and self.graphs.fits(batch_size, max_context)
+
+    def forward(self, step: StepInputs, rows: Optional[Sequence[int]] = None) -> torch.Tensor:
+        """Run one step's forward; logits of the sequences in `rows` (their
+        last new token), none when `rows` is None (the other ranks)."""
+        if step.graphed:  # decode-only: every row's logits
+            return self.graphs.run(step.ids, step.ctx_lens, step.tables, step.prev_rows)
+        assert step.prev_rows is None, "only decode graph steps read tokens in flight"
+        batch = AttentionBatch.build(step.q_lens, step.ctx_lens, step.tables,
+                                     self.config.block_size, self.device)
+        input_ids = torch.tensor(step.ids, dtype=torch.long, device=self.device)
+        if rows is None:
+            picked = torch.empty(0, dtype=torch.long, device=self.device)
+        else:
+            last = batch.cu_q_lens[1:].long() - 1
+            picked = last[list(rows)] if rows else last[:1]
+        return self.model.forward(input_ids, batch, self.kv_cache, picked)
+
+    def launch(self, step: StepInputs, rows: Sequence[int], params: Sequence,
+               rngs: Sequence, histories: Sequence[Sequence[int]]) -> SampledTokens:
+        """Queue the forward and the sampling of the sequences in `rows` on the
+        device (one SamplingParams, SeedRNG and token history each)."""
+        logits = self.forward(step, rows)
+        if not rows:
+            return SampledTokens(torch.empty(0, dtype=torch.long), None)
+        tokens = sample(logits, params, rngs, histories)
+        if self.device.type != "cuda":
+            return SampledTokens(tokens, None)
+        if step.graphed:
+            self.graphs.prev_tokens[:len(rows)].copy_(tokens)  # the next step may read them here
+        # Pinned, so the copy is asynchronous (into pageable memory it would
+        # wait for this very step).
+        host = self._token_buffers[self._token_turn][:len(rows)]
+        self._token_turn ^= 1
+        host.copy_(tokens, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return SampledTokens(host, ready)

@@ -1,0 +1,320 @@
+"""The persistent batch: N slots and a waiting queue. Pure bookkeeping — no
+tensors. Each step it decides which sequences run and how many new tokens
+each feeds; the KV cache manager (native) decides which blocks hold them.
+
+Policy (see docs/engine.md):
+- Decode first: every running sequence past its prompt gets one token.
+- Then prefill chunks: running sequences still prefilling, oldest first, then
+  waiting requests in arrival order (FCFS) while slots and token budget last.
+  The head of the queue is never overtaken, so a long prompt cannot starve.
+- When the pool is short, the manager evicts least recently used cached
+  sessions; if that is not enough, the newest running sequence is preempted
+  (its KV dropped, re-prefilled later from its token IDs).
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Optional
+
+from .sampling_params import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class AllocPolicy(str, enum.Enum):
+    UPFRONT = "upfront"  # blocks for prompt + max_tokens at admission
+    ON_DEMAND = "on_demand"  # blocks for each step's tokens only
+    RESERVED = "reserved"  # prompt + a reserved minimum at admission, then on demand
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_batch_size: int = 8
+    max_num_batched_tokens: int = 512
+    max_model_len: int = 4096
+    block_size: int = 64
+    alloc_policy: AllocPolicy = AllocPolicy.ON_DEMAND
+    reserved_tokens: int = 64
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    kv_key: int  # id in the KV cache manager
+    session_id: Optional[str]
+    tokens: list[int]  # full context: session history + new prompt + generated
+    prompt_len: int  # len(tokens) before generation
+    params: SamplingParams
+    history_len: int = 0  # session tokens from earlier turns
+    arrival: float = field(default_factory=time.monotonic)
+    status: SeqStatus = SeqStatus.WAITING
+    slot: Optional[int] = None
+    num_computed: int = 0  # tokens whose KV is in the pool
+    # Tokens sampled on the GPU whose values the host has not read yet (0 or
+    # 1): they follow `tokens` and are appended when delivered.
+    inflight: int = 0
+    cached_tokens: int = 0  # tokens reused from a resident session at admission
+    reprefilled_tokens: int = 0  # history recomputed after an eviction
+    finish_reason: Optional[str] = None
+    first_admitted: Optional[float] = None
+    admit_order: int = -1  # position in the running order, set on admission
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+    @property
+    def generated(self) -> list[int]:
+        return self.tokens[self.prompt_len:]
+
+    @property
+    def num_tokens(self) -> int:
+        """Known tokens plus the one in flight, if any."""
+        return len(self.tokens) + self.inflight
+
+    @property
+    def in_decode(self) -> bool:
+        return self.num_computed == self.num_tokens - 1
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether this chunk reaches the end of the known tokens, so its last
+        logits give the next token."""
+        return self.seq.num_computed + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class StepPlan:
+    scheduled: list[ScheduledSeq]
+    preempted: list[Sequence]
+
+    @property
+    def empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_manager) -> None:
+        self.config = config
+        self.kv = kv_manager
+        self.slots: list[Optional[Sequence]] = [None] * config.max_batch_size
+        self._free_slots = list(range(config.max_batch_size - 1, -1, -1))  # stack, lowest on top
+        self.waiting: deque[Sequence] = deque()
+        # running sequences in admission order: iteration is oldest first and
+        # the newest (the preemption victim) is the last entry
+        self._running: dict[int, Sequence] = {}
+        self._admit_order = itertools.count()
+        self.cache_hits = 0
+        self.cache_misses = 0
+        self.preemptions = 0
+
+    # -- queries -------------------------------------------------------------
+    @property
+    def running(self) -> list[Sequence]:
+        return list(self._running.values())
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free_slots)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting) or bool(self._running)
+
+    def max_tokens_in_pool(self) -> int:
+        return self.kv.num_blocks * self.config.block_size
+
+    # -- requests ------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def remove_waiting(self, seq: Sequence) -> None:
+        self.waiting.remove(seq)
+
+    # -- one step ------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        plan = StepPlan([], [])
+        budget = self.config.max_num_batched_tokens
+
+        decoding, prefilling = [], []  # both oldest first
+        for seq in self._running.values():
+            if seq.inflight and self._last_token_in_flight(seq):
+                continue  # finishes when that token is delivered
+            (decoding if seq.in_decode else prefilling).append(seq)
+        scheduled = plan.scheduled
+        reserve = self.kv.reserve
+        # 1. one decode token for every running sequence past its prompt
+        for seq in decoding:
+            if budget < 1:
+                break
+            if seq.status is not SeqStatus.RUNNING:
+                continue  # preempted by an earlier reservation this step
+            if not reserve(seq.kv_key, seq.num_computed + 1) and not self._reserve(
+                    seq, seq.num_computed + 1, plan):
+                continue  # seq itself was preempted
+            scheduled.append(ScheduledSeq(seq, 1))
+            budget -= 1
+
+        # 2. prefill chunks of running sequences still in their prompt
+        for seq in prefilling:
+            if budget < 1:
+                break
+            if seq.status is not SeqStatus.RUNNING:
+                continue
+            n = min(len(seq.tokens) - seq.num_computed, budget)
+            if not self._reserve(seq, seq.num_computed + n, plan):
+                continue
+            plan.scheduled.append(ScheduledSeq(seq, n))
+            budget -= n
+
+        # 3. admit waiting requests, FCFS, while slots and budget last
+        while self.waiting and budget >= 1 and self.num_free_slots:
+            seq = self.waiting[0]
+            if seq.inflight:
+                break  # preempted with a token in flight: admitted once it is delivered
+            if not self._admit(seq):
+                break  # head of line waits for blocks; nobody overtakes it
+            self.waiting.popleft()
+            # _admit reserved blocks for all known tokens, so any chunk fits
+            n = min(len(seq.tokens) - seq.num_computed, budget)
+            plan.scheduled.append(ScheduledSeq(seq, n))
+            budget -= n
+        return plan
+
+    def commit(self, plan: StepPlan) -> None:
+        """Record a launched forward: each scheduled chunk's KV is (being)
+        written, and sequences that sample have a token in flight until
+        `deliver` hands it over."""
+        set_num_tokens = self.kv.set_num_tokens
+        for item in plan.scheduled:
+            seq = item.seq
+            if seq.status is not SeqStatus.RUNNING:
+                continue  # cancelled while the step ran
+            samples = item.samples
+            seq.num_computed += item.num_new_tokens
+            set_num_tokens(seq.kv_key, seq.num_computed)
+            if samples:
+                seq.inflight += 1
+
+    def deliver(self, seq: Sequence, token: int) -> None:
+        """The sampled token of `seq`'s step in flight."""
+        seq.inflight -= 1
+        seq.tokens.append(token)
+
+    def finish(self, seq: Sequence, reason: str, keep_kv: bool) -> None:
+        """Free the slot at once. A session's KV stays cached for its next turn;
+        anything else is erased."""
+        if seq.status is SeqStatus.WAITING:
+            if seq in self.waiting:
+                self.waiting.remove(seq)
+            if self.kv.contains(seq.kv_key) and not keep_kv:
+                self.kv.erase(seq.kv_key)
+        elif seq.status is SeqStatus.RUNNING:
+            self._leave_slot(seq)
+            if keep_kv:
+                self.kv.release(seq.kv_key)
+            else:
+                self.kv.erase(seq.kv_key)
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+        seq.slot = None
+
+    # -- internals -------------------------------------------------------------
+    def _last_token_in_flight(self, seq: Sequence) -> bool:
+        """Its token in flight reaches max_tokens or the context limit, so it
+        is the last whatever its value (the engine's length rule)."""
+        return (seq.num_generated + seq.inflight >= seq.params.max_tokens
+                or seq.num_tokens >= self.config.max_model_len)
+
+    def _take_slot(self, seq: Sequence) -> None:
+        seq.slot = self._free_slots.pop()
+        self.slots[seq.slot] = seq
+        seq.admit_order = next(self._admit_order)
+        self._running[seq.admit_order] = seq
+        seq.status = SeqStatus.RUNNING
+
+    def _leave_slot(self, seq: Sequence) -> None:
+        self.slots[seq.slot] = None
+        self._free_slots.append(seq.slot)
+        del self._running[seq.admit_order]
+        seq.slot = None
+
+    def _admission_target(self, seq: Sequence) -> int:
+        """Tokens to hold blocks for at admission, by allocation policy."""
+        cfg = self.config
+        if cfg.alloc_policy is AllocPolicy.UPFRONT:
+            want = seq.prompt_len + seq.params.max_tokens
+        elif cfg.alloc_policy is AllocPolicy.RESERVED:
+            want = len(seq.tokens) + cfg.reserved_tokens
+        else:
+            want = len(seq.tokens)
+        return min(want, cfg.max_model_len, self.max_tokens_in_pool())
+
+    def _admit(self, seq: Sequence) -> bool:
+        kv = self.kv
+        existed = kv.contains(seq.kv_key)
+        resident = kv.acquire(seq.kv_key)
+        # Never trust more resident KV than this turn's tokens explain, and keep
+        # at least one token to compute so there are logits to sample from.
+        resident = min(resident, len(seq.tokens) - 1)
+        if not kv.reserve(seq.kv_key, max(self._admission_target(seq), resident + 1)):
+            self._unadmit_kv(seq, existed)
+            return False
+        if seq.session_id is not None and seq.first_admitted is None:
+            if seq.history_len > 0:
+                if resident > 0:
+                    self.cache_hits += 1
+                else:
+                    self.cache_misses += 1
+                    seq.reprefilled_tokens = seq.history_len
+        if seq.first_admitted is None:
+            seq.first_admitted = time.monotonic()
+            seq.cached_tokens = resident
+        seq.num_computed = resident
+        kv.set_num_tokens(seq.kv_key, resident)
+        self._take_slot(seq)
+        return True
+
+    def _unadmit_kv(self, seq: Sequence, existed: bool) -> None:
+        if existed and seq.session_id is not None:
+            self.kv.release(seq.kv_key)
+        else:
+            self.kv.erase(seq.kv_key)
+
+    def _reserve(self, seq: Sequence, num_tokens: int, plan: StepPlan) -> bool:
+        """Blocks for `num_tokens` of `seq`; preempts the newest running
+        sequences when even evicting every cached session is not enough.
+        False if `seq` itself had to give way."""
+        while not self.kv.reserve(seq.kv_key, num_tokens):
+            victim = next(reversed(self._running.values()))  # the newest
+            self._preempt(victim, plan)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
+        """Drop a running sequence's KV and put it back at the head of the queue;
+        it is re-prefilled from its token IDs when it is admitted again."""
+        self.preemptions += 1
+        plan.scheduled = [item for item in plan.scheduled if item.seq is not seq]
+        plan.preempted.append(seq)
+        self._leave_slot(seq)
+        self.kv.release(seq.kv_key)
+        self.kv.evict(seq.kv_key)
+        seq.num_computed = 0
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)

@@ -1,0 +1,101 @@
+"""LLaMA forward pass over the paged KV cache.
+
+One forward serves every step shape: prefill chunks with history, decode
+tokens, or both mixed. Tokens arrive flattened with an AttentionBatch saying
+which sequence each belongs to; K/V are written into the pool, then attention
+reads each sequence's whole context through its block table."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from .config import ModelConfig
+
+from .parallel import shard_weight
+
+if TYPE_CHECKING:
+    from .parallel import TensorParallel
+from .kv_cache import PagedKVCache
+from .ops import AttentionBatch, ops_for
+from .rotary import cos_sin_table
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
+          "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unsupported dtype {name!r}; use fp32, fp16 or bf16") from None
+
+
+class LlamaModel:
+    def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor],
+                 device: torch.device | str = "cpu", dtype: Optional[torch.dtype] = None,
+                 tp: Optional["TensorParallel"] = None):
+        """With `tp`, this rank's slice of each layer (model/parallel.py)."""
+        self.config = config
+        self.tp = tp
+        ranks = tp.size if tp is not None else 1
+        self.num_heads = config.num_heads // ranks  # this rank's heads
+        self.num_kv_heads = config.num_kv_heads // ranks
+        self.device = torch.device(device)
+        self.dtype = dtype or parse_dtype(config.torch_dtype)
+        self.ops = ops_for(self.device)
+        moved: dict[int, torch.Tensor] = {}  # keeps tied tensors shared after the move
+
+        def take(name: str) -> torch.Tensor:
+            t = tensors[name]
+            if id(t) not in moved:
+                part = t if tp is None else shard_weight(config, name, t, tp.rank, tp.size)
+                moved[id(t)] = part.to(device=self.device, dtype=self.dtype).contiguous()
+            return moved[id(t)]
+
+        self.embed = take("embed.weight")
+        self.layers = [
+            {k: take(f"layers.{i}.{k}.weight")
+             for k in ("attn_norm", "qkv", "o", "mlp_norm", "gate_up", "down")}
+            for i in range(config.num_layers)]
+        self.norm = take("norm.weight")
+        self.lm_head = take("lm_head.weight")
+        self.cos_sin = cos_sin_table(config, config.max_position_embeddings, self.device)
+        self.scale = config.head_dim ** -0.5
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, batch: AttentionBatch, kv: PagedKVCache,
+                logits_indices: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """input_ids: [T]. Returns float32 logits of the rows in `logits_indices`
+        (default: the last new token of every sequence), [N, vocab]."""
+        cfg, ops = self.config, self.ops
+        t = input_ids.shape[0]
+        # The residual stream, updated in place by the o and down projections;
+        # each norm is fused into the projection that reads it.
+        residual = self.embed[input_ids]
+        eps = cfg.rms_norm_eps
+        for layer, layer_kv in zip(self.layers, kv.layers):
+            # norm, qkv projection, rotary, k and v into the pool
+            q = ops.qkv_rotary_write_kv(residual, layer["qkv"], (layer["attn_norm"], eps),
+                                        batch.positions, self.cos_sin, layer_kv,
+                                        batch.slot_mapping, self.num_heads)
+            attn = ops.paged_attention(q, layer_kv, batch, self.scale)
+            self._project_into(residual, attn.reshape(t, -1), layer["o"])
+            act = ops.linear(residual, layer["gate_up"], norm=(layer["mlp_norm"], eps), silu=True)
+            self._project_into(residual, act, layer["down"])
+        if logits_indices is None:
+            logits_indices = (batch.cu_q_lens[1:] - 1).long()
+        return ops.linear(residual[logits_indices], self.lm_head, norm=(self.norm, eps)).float()
+
+    def _project_into(self, residual: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+        """residual += x @ w.T; under tensor parallelism each rank holds a
+        partial product, summed across ranks before the add."""
+        if self.tp is None:
+            self.ops.linear(x, w, residual=residual)
+            return
+        partial = self.ops.linear(x, w)
+        self.tp.all_reduce(partial)
+        residual.add_(partial)

@@ -1,0 +1,491 @@
+"""CUDA backend: the reference's op signatures, run by the native kernels of
+turbomq._native.cuda (native/cuda/*.cu). Tensors cross as device addresses,
+sizes and the current stream; inputs the kernels do not cover (fp32, odd
+sizes, misaligned views, head_dim other than 64/128 for attention) fall back
+to the reference, so every call is correct on any CUDA tensor.
+
+Each op also takes keyword-only `out` buffers (tests poison them to catch
+unwritten elements); the model never passes them."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import os
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .layer_kv import LayerKV
+from . import reference
+from .attention_batch import AttentionBatch
+
+try:
+    from turbomq import _native as _native_module
+except ImportError as exc:  # built without the extension
+    _native_module = None
+    _IMPORT_ERROR: Optional[str] = f"turbomq._native is not importable: {exc}"
+else:
+    _IMPORT_ERROR = None
+
+_k = getattr(_native_module, "cuda", None)
+
+# Split-K planning, fitted to a sweep of forced partition sizes on an H100
+# (docs/kernels.md): aim for ~6 blocks per multiprocessor, but keep
+# partitions >= 512 keys, since a block's fixed costs (q load, combining its
+# warps, the reduce) outweigh extra parallelism below that. Only a grid that
+# would not give every multiprocessor one block goes down to 64 keys (batch 1
+# over 256 keys: 9.3 us at 64 against 11.1 us at 128). An INT8 pool aims for
+# 3 blocks per multiprocessor: its warps prefetch the next 16 keys, so longer
+# partitions keep more bytes in flight (32 x 4096: 123 us at 2048 keys
+# against 137 us at 1024).
+BLOCKS_PER_SM = 6
+BLOCKS_PER_SM_INT8 = 3
+MIN_PARTITION = 512
+MIN_PARTITION_TINY = 64
+
+# Split-K attention combines its partitions inside the attention kernel (the
+# last block of each (tile, KV head) to finish), not in a second launch.
+FUSED_SPLITK_COMBINE = True
+
+# rotary_write_kv runs as one kernel (False: rotary then write_kv, for A/B runs).
+FUSED_ROTARY_WRITE_KV = True
+
+# linear() runs the native GEMV for inputs of at most GEMV_MAX_ROWS rows
+# (decode at small batch; 0 turns it off), and for rows longer than
+# GEMV_MAX_K (the down projection's 14336) only at one row; cuBLAS (F.linear)
+# otherwise. Measured on an H100 (docs/kernels.md): at 1-4 rows the GEMV
+# matches or beats cuBLAS on the 4096-wide projections and the LM head, and
+# it starts loading weights while the previous kernel runs; with longer rows
+# cuBLAS's split-K wins from 2 rows, and at 8 rows.
+# TURBOMQ_GEMV_MAX_ROWS / TURBOMQ_GEMV_MAX_K override.
+GEMV_MAX_ROWS = int(os.environ.get("TURBOMQ_GEMV_MAX_ROWS", "4"))
+GEMV_MAX_K = int(os.environ.get("TURBOMQ_GEMV_MAX_K", "8192"))
+
+# linear()'s norm / silu_mul / residual add run inside the GEMV (False: as
+# separate kernels around it, for A/B runs) for inputs of at most
+# FUSED_GEMV_MAX_ROWS rows. Measured decode graph replays on an H100
+# (docs/kernels.md): batch 1 5.94 ms fused against 6.18 ms apart; batch 4
+# 7.43 ms fused against 6.71 ms apart, so only one row fuses.
+FUSED_GEMV = True
+FUSED_GEMV_MAX_ROWS = 1
+
+
+def unavailable_reason() -> Optional[str]:
+    """Why the native kernels cannot run here, or None when they can."""
+    if _IMPORT_ERROR is not None:
+        return _IMPORT_ERROR
+    if _k is None:
+        return "turbomq._native was built without CUDA (rebuild with TURBOMQ_CUDA=ON)"
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    return None
+
+
+def available() -> bool:
+    return unavailable_reason() is None
+
+
+if _k is not None:
+    # Programmatic dependent launch of the GEMV (TURBOMQ_PDL=0 turns it off).
+    _k.set_programmatic_launch(os.environ.get("TURBOMQ_PDL", "1") != "0")
+    _DTYPES = {torch.float16: _k.DType.F16, torch.bfloat16: _k.DType.BF16,
+               torch.int8: _k.DType.I8, torch.float32: _k.DType.F32}
+else:
+    _DTYPES = {}
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _stream(t: torch.Tensor) -> int:
+    return torch.cuda.current_stream(t.device).cuda_stream
+
+
+def _aligned(t: torch.Tensor, *strides: int) -> bool:
+    """16-byte aligned start and strides (in 2-byte elements) multiples of 8."""
+    return t.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in strides)
+
+
+def _native_ok(*tensors: torch.Tensor) -> bool:
+    return _k is not None and all(t.is_cuda for t in tensors)
+
+
+class _on_device:
+    """Makes `t`'s device current (kernels launch on the current device)."""
+
+    def __init__(self, t: torch.Tensor):
+        self.index = t.device.index
+        self.prev: Optional[int] = None
+
+    def __enter__(self) -> None:
+        cur = torch.cuda.current_device()
+        if self.index is not None and cur != self.index:
+            self.prev = cur
+            torch.cuda.set_device(self.index)
+
+    def __exit__(self, *exc) -> None:
+        if self.prev is not None:
+            torch.cuda.set_device(self.prev)
+
+
+# --------------------------------------------------------------- norms
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *,
+             out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    h = x.shape[-1]
+    if not (_native_ok(x, weight) and x.dtype in _HALF and weight.dtype == x.dtype
+            and weight.is_contiguous() and h % 8 == 0 and x.numel() > 0):
+        return reference.rms_norm(x, weight, eps)
+    x2 = x.reshape(-1, h)
+    if x2.stride(1) != 1 or not _aligned(x2, x2.stride(0)):
+        x2 = x2.contiguous()
+    if out is None:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    with _on_device(x):
+        _k.rms_norm(out.data_ptr(), x2.data_ptr(), x2.stride(0), weight.data_ptr(), x2.shape[0], h,
+                    float(eps), _DTYPES[x.dtype], _stream(x))
+    return out
+
+
+# -------------------------------------------------------------- rotary
+def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, *,
+           q_out: Optional[torch.Tensor] = None,
+           k_out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    t, nh, d = q.shape
+    nkv = k.shape[1]
+    if not (_native_ok(q, k, positions, cos_sin) and q.dtype in _HALF and k.dtype == q.dtype
+            and cos_sin.dtype == torch.float32 and cos_sin.shape[-1] == d and d % 16 == 0
+            and k.shape[0] == t and k.shape[2] == d and t > 0):
+        return reference.rotary(q, k, positions, cos_sin)
+    if q.stride(2) != 1 or not _aligned(q, q.stride(0), q.stride(1)):
+        q = q.contiguous()
+    if k.stride(2) != 1 or not _aligned(k, k.stride(0), k.stride(1)):
+        k = k.contiguous()
+    positions = positions.to(torch.int64).contiguous()
+    cos_sin = cos_sin.contiguous()
+    if q_out is None:
+        q_out = torch.empty((t, nh, d), dtype=q.dtype, device=q.device)
+    if k_out is None:
+        k_out = torch.empty((t, nkv, d), dtype=k.dtype, device=k.device)
+    with _on_device(q):
+        _k.rotary(q_out.data_ptr(), k_out.data_ptr(), q.data_ptr(), q.stride(0), q.stride(1),
+                  k.data_ptr(), k.stride(0), k.stride(1), positions.data_ptr(),
+                  cos_sin.data_ptr(), t, nh, nkv, d, _DTYPES[q.dtype], _stream(q))
+    return q_out, k_out
+
+
+# ------------------------------------------------------------ silu_mul
+def silu_mul(gate_up: torch.Tensor, *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    two_i = gate_up.shape[-1]
+    inter = two_i // 2
+    if not (_native_ok(gate_up) and gate_up.dtype in _HALF and two_i % 16 == 0
+            and gate_up.numel() > 0):
+        return reference.silu_mul(gate_up)
+    x2 = gate_up.reshape(-1, two_i)
+    if x2.stride(1) != 1 or not _aligned(x2, x2.stride(0)):
+        x2 = x2.contiguous()
+    if out is None:
+        out = torch.empty((*gate_up.shape[:-1], inter), dtype=gate_up.dtype, device=gate_up.device)
+    with _on_device(gate_up):
+        _k.silu_mul(out.data_ptr(), x2.data_ptr(), x2.stride(0), x2.shape[0], inter,
+                    _DTYPES[gate_up.dtype], _stream(gate_up))
+    return out
+
+
+# ------------------------------------------------------------ write_kv
+def write_kv(kv: LayerKV, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    t, nkv, d = k.shape
+    cache_dtype = kv.k.dtype
+    ok = (_native_ok(kv.k, k, v, slot_mapping) and k.dtype in _HALF and v.dtype == k.dtype
+          and v.shape == k.shape and kv.k.is_contiguous() and kv.v.is_contiguous() and t > 0)
+    if ok and cache_dtype == torch.int8:
+        ok = d % 32 == 0 and d <= 256 and kv.k_scale.is_contiguous() and kv.v_scale.is_contiguous()
+    elif ok:
+        ok = cache_dtype == k.dtype and d % 8 == 0
+    if not ok:
+        reference.write_kv(kv, k, v, slot_mapping)
+        return
+    if k.stride(2) != 1 or not _aligned(k, k.stride(0), k.stride(1)):
+        k = k.contiguous()
+    if v.stride(2) != 1 or not _aligned(v, v.stride(0), v.stride(1)):
+        v = v.contiguous()
+    slots = slot_mapping.to(torch.int64).contiguous()
+    quant = cache_dtype == torch.int8
+    with _on_device(k):
+        _k.write_kv(kv.k.data_ptr(), kv.v.data_ptr(),
+                    kv.k_scale.data_ptr() if quant else 0, kv.v_scale.data_ptr() if quant else 0,
+                    k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0), v.stride(1),
+                    slots.data_ptr(), t, nkv, d, kv.block_size, _DTYPES[k.dtype],
+                    _DTYPES[cache_dtype], _stream(k))
+
+
+# ---------------------------------------------------- rotary + write_kv
+def rotary_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                    cos_sin: torch.Tensor, kv: LayerKV, slot_mapping: torch.Tensor, *,
+                    q_out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """As reference.rotary_write_kv, in one launch; inputs that kernel does not
+    cover go through rotary() then write_kv()."""
+    t, nh, d = q.shape
+    nkv = k.shape[1]
+    cache_dtype = kv.k.dtype
+    lanes = d // 16
+    ok = (FUSED_ROTARY_WRITE_KV and _native_ok(q, k, v, positions, cos_sin, slot_mapping, kv.k)
+          and q.dtype in _HALF
+          and k.dtype == q.dtype and v.dtype == q.dtype and k.shape == v.shape
+          and k.shape[0] == t and k.shape[2] == d and cos_sin.dtype == torch.float32
+          and cos_sin.shape[-1] == d and d % 16 == 0 and 1 <= lanes <= 32
+          and lanes & (lanes - 1) == 0 and t > 0
+          and kv.k.is_contiguous() and kv.v.is_contiguous()
+          and q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1
+          and _aligned(q, q.stride(0), q.stride(1)) and _aligned(k, k.stride(0), k.stride(1))
+          and _aligned(v, v.stride(0), v.stride(1)))
+    if ok and cache_dtype == torch.int8:
+        ok = kv.k_scale.is_contiguous() and kv.v_scale.is_contiguous()
+    elif ok:
+        ok = cache_dtype == q.dtype
+    if not ok:
+        q, k = rotary(q, k, positions, cos_sin)
+        write_kv(kv, k, v, slot_mapping)
+        return q
+    positions = positions.to(torch.int64).contiguous()
+    slots = slot_mapping.to(torch.int64).contiguous()
+    cos_sin = cos_sin.contiguous()
+    if q_out is None:
+        q_out = torch.empty((t, nh, d), dtype=q.dtype, device=q.device)
+    quant = cache_dtype == torch.int8
+    with _on_device(q):
+        _k.rotary_write_kv(q_out.data_ptr(), q.data_ptr(), q.stride(0), q.stride(1),
+                           k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0),
+                           v.stride(1), positions.data_ptr(), cos_sin.data_ptr(), slots.data_ptr(),
+                           kv.k.data_ptr(), kv.v.data_ptr(),
+                           kv.k_scale.data_ptr() if quant else 0,
+                           kv.v_scale.data_ptr() if quant else 0, t, nh, nkv, d, kv.block_size,
+                           _DTYPES[q.dtype], _DTYPES[cache_dtype], _stream(q))
+    return q_out
+
+
+# -------------------------------------------------------------- linear
+def linear(x: torch.Tensor, weight: torch.Tensor, *,
+           norm: Optional[tuple[torch.Tensor, float]] = None, silu: bool = False,
+           residual: Optional[torch.Tensor] = None,
+           out: Optional[torch.Tensor] = None, native: Optional[bool] = None) -> torch.Tensor:
+    """As reference.linear: x @ weight.T, optionally after rms_norm(x, *norm),
+    followed by silu_mul, or added into `residual` in place. Inputs the GEMV
+    takes (GEMV_MAX_ROWS rows of 16-bit data; see GEMV_MAX_K) run as one
+    launch with the norm, silu_mul or add fused; the rest as cuBLAS plus the
+    separate kernels. native=True takes the GEMV up to its own limits
+    whatever the policy; False never."""
+    k_in = x.shape[-1]
+    rows = x.numel() // k_in if k_in else 0
+    fused = norm is not None or silu or residual is not None
+    if _k is None or native is False:
+        max_rows = 0
+    elif native:
+        max_rows = _k.GEMV_MAX_FUSED_ROWS if fused else _k.GEMV_MAX_ROWS
+    else:
+        max_rows = min(GEMV_MAX_ROWS, FUSED_GEMV_MAX_ROWS if fused else _k.GEMV_MAX_ROWS)
+        if k_in > GEMV_MAX_K:
+            max_rows = min(max_rows, 1)
+    n_out = weight.shape[0] // 2 if silu else weight.shape[0]
+    ok = (0 < rows <= max_rows and _native_ok(x, weight) and x.dtype in _HALF
+          and weight.dtype == x.dtype and weight.dim() == 2 and weight.shape[1] == k_in
+          and k_in % 8 == 0 and weight.is_contiguous() and weight.data_ptr() % 16 == 0
+          and (not silu or weight.shape[0] % 2 == 0))
+    if ok and norm is not None:
+        ok = (norm[0].dtype == x.dtype and norm[0].is_contiguous() and norm[0].numel() == k_in
+              and norm[0].data_ptr() % 16 == 0 and rows * k_in * 2 <= _k.GEMV_SMEM_BYTES)
+    if ok and residual is not None:
+        ok = (residual.dtype == x.dtype and residual.is_contiguous()
+              and residual.shape == (*x.shape[:-1], n_out))
+    if not fused and not ok:
+        return F.linear(x, weight)
+    if not ok or (fused and not FUSED_GEMV and native is None):
+        return _linear_unfused(x, weight, norm, silu, residual, native)
+    x2 = x.reshape(rows, k_in)
+    if not x2.is_contiguous() or x2.data_ptr() % 16 != 0:
+        x2 = x2.clone(memory_format=torch.contiguous_format)  # fresh, so aligned
+    if residual is not None:
+        out, epilogue = residual, _k.GemvEpilogue.ADD_INTO
+    else:
+        epilogue = _k.GemvEpilogue.SILU_MUL if silu else _k.GemvEpilogue.STORE
+        if out is None:
+            out = torch.empty((*x.shape[:-1], n_out), dtype=x.dtype, device=x.device)
+    with _on_device(x):
+        _k.gemv(out.data_ptr(), x2.data_ptr(), weight.data_ptr(), rows, n_out, k_in,
+                _DTYPES[x.dtype], _stream(x), norm[0].data_ptr() if norm is not None else 0,
+                float(norm[1]) if norm is not None else 0.0, epilogue)
+    return out
+
+
+def qkv_rotary_write_kv(x: torch.Tensor, weight: torch.Tensor, norm: tuple[torch.Tensor, float],
+                        positions: torch.Tensor, cos_sin: torch.Tensor, kv: LayerKV,
+                        slot_mapping: torch.Tensor, num_heads: int, *,
+                        out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """As reference.qkv_rotary_write_kv. At one row with a 16-bit pool (decode
+    at batch 1) one GEMV launch does it all: norm in front, rotary and the KV
+    write behind. Otherwise linear() then rotary_write_kv()."""
+    t, k_in = x.shape
+    nkv, bs, d = kv.k.shape[1:]
+    fused = (FUSED_GEMV and 0 < t <= FUSED_GEMV_MAX_ROWS and _native_ok(x, weight, kv.k)
+             and x.dtype in _HALF and weight.dtype == x.dtype and kv.k.dtype == x.dtype
+             and norm[0].dtype == x.dtype and norm[0].is_contiguous()
+             and norm[0].data_ptr() % 16 == 0 and t * k_in * 2 <= _k.GEMV_SMEM_BYTES
+             and weight.is_contiguous() and weight.data_ptr() % 16 == 0
+             and weight.shape == ((num_heads + 2 * nkv) * d, k_in) and k_in % 8 == 0
+             and x.is_contiguous() and x.data_ptr() % 16 == 0
+             and kv.k.is_contiguous() and kv.v.is_contiguous()
+             and cos_sin.dtype == torch.float32 and cos_sin.is_contiguous()
+             and cos_sin.shape[-1] == d)
+    if not fused:
+        qkv = linear(x, weight, norm=norm)
+        q, k, v = qkv.split([num_heads * d, nkv * d, nkv * d], dim=-1)
+        return rotary_write_kv(q.reshape(t, num_heads, d), k.reshape(t, nkv, d),
+                               v.reshape(t, nkv, d), positions, cos_sin, kv, slot_mapping)
+    positions = positions.to(torch.int64).contiguous()
+    slots = slot_mapping.to(torch.int64).contiguous()
+    if out is None:
+        out = torch.empty((t, num_heads, d), dtype=x.dtype, device=x.device)
+    with _on_device(x):
+        _k.gemv_qkv_rope(out.data_ptr(), x.data_ptr(), weight.data_ptr(), t, k_in,
+                         norm[0].data_ptr(), float(norm[1]), positions.data_ptr(),
+                         cos_sin.data_ptr(), slots.data_ptr(), kv.k.data_ptr(), kv.v.data_ptr(),
+                         num_heads, nkv, d, bs, _DTYPES[x.dtype], _stream(x))
+    return out
+
+
+def _linear_unfused(x: torch.Tensor, weight: torch.Tensor,
+                    norm: Optional[tuple[torch.Tensor, float]], silu: bool,
+                    residual: Optional[torch.Tensor], native: Optional[bool]) -> torch.Tensor:
+    if norm is not None:
+        x = rms_norm(x, norm[0], norm[1])
+    y = linear(x, weight, native=native)  # the plain GEMV where the policy takes it
+    if silu:
+        y = silu_mul(y)
+    if residual is not None:
+        return residual.add_(y)
+    return y
+
+
+# ----------------------------------------------------------- attention
+_SM_COUNT: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNT:
+        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNT[index]
+
+
+_COUNTERS: dict[int, torch.Tensor] = {}
+_RETIRED: list[torch.Tensor] = []  # outgrown counter buffers that captured graphs may still use
+
+
+def _counters(device: torch.device, n: int) -> Optional[torch.Tensor]:
+    """A zeroed int32 buffer of >= n counters for the fused split-K combine
+    (one per device; every kernel leaves its counters at zero). None while a
+    graph is being captured and the buffer would have to grow: a capture
+    cannot zero new memory, so that launch combines in a second kernel."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    buf = _COUNTERS.get(index)
+    if buf is None or buf.numel() < n:
+        if torch.cuda.is_current_stream_capturing():
+            return None
+        if buf is not None:
+            _RETIRED.append(buf)
+        buf = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device)
+        _COUNTERS[index] = buf
+    return buf
+
+
+def _tiles(batch: AttentionBatch, group: int, device: torch.device):
+    """(tile tensor or None, number of tiles); cached on the batch, which every
+    layer of a step shares."""
+    cache = batch.backend_cache.setdefault("cuda_tiles", {})
+    if group in cache:
+        return cache[group]
+    rows = _k.ATTENTION_TILE_ROWS
+    if batch.max_q_len == 1 and group <= rows:
+        result = (None, batch.num_seqs)
+    else:
+        q = np.asarray(batch.q_lens_host, dtype=np.int64)
+        per_seq = (q * group + rows - 1) // rows
+        total = int(per_seq.sum())
+        seq = np.repeat(np.arange(len(q)), per_seq)
+        first = np.repeat(np.cumsum(per_seq) - per_seq, per_seq)
+        pairs = np.stack([seq, np.arange(total) - first], axis=1).astype(np.int32)
+        result = (torch.from_numpy(pairs).to(device), total)
+    cache[group] = result
+    return result
+
+
+def plan_partitions(blocks: int, max_context: int, sm_count: int,
+                    partition_size: Optional[int] = None,
+                    int8: bool = False) -> tuple[int, int]:
+    """(partition_size, num_parts) for split-K over `blocks` (tiles x KV
+    heads); `int8`: the pool is INT8."""
+    align = _k.ATTENTION_PARTITION_ALIGN if _k is not None else 64
+    max_context = max(1, max_context)
+    blocks = max(1, blocks)
+    if partition_size is None:
+        parts = -(-(BLOCKS_PER_SM_INT8 if int8 else BLOCKS_PER_SM) * sm_count // blocks)
+        tiny = blocks * -(-max_context // MIN_PARTITION) < sm_count
+        floor = MIN_PARTITION_TINY if tiny else MIN_PARTITION
+        partition_size = max(floor, -(-max_context // parts))
+    partition_size = max(align, -(-partition_size // align) * align)
+    return partition_size, -(-max_context // partition_size)
+
+
+def _attention_native(q: torch.Tensor, kv: LayerKV) -> bool:
+    bs = kv.block_size
+    return (_native_ok(q, kv.k) and q.dtype in _HALF and kv.k.dtype in (q.dtype, torch.int8)
+            and q.shape[-1] in (64, 128) and bs > 0 and bs & (bs - 1) == 0
+            and q.shape[1] % kv.k.shape[1] == 0 and kv.k.is_contiguous() and kv.v.is_contiguous()
+            and (kv.k_scale is None or (kv.k_scale.is_contiguous() and kv.v_scale.is_contiguous())))
+
+
+def paged_attention(q: torch.Tensor, kv: LayerKV, batch: AttentionBatch, scale: float, *,
+                    out: Optional[torch.Tensor] = None,
+                    partition_size: Optional[int] = None,
+                    fused_combine: Optional[bool] = None) -> torch.Tensor:
+    """As reference.paged_attention. `partition_size` forces the split-K
+    partition (a multiple of 64 keys); by default it is planned from the grid.
+    `fused_combine` (default FUSED_SPLITK_COMBINE) combines the partitions in
+    the attention kernel itself rather than in a second launch."""
+    if not _attention_native(q, kv) or q.shape[0] == 0:
+        return reference.paged_attention(q, kv, batch, scale)
+    t, nh, d = q.shape
+    nkv = kv.k.shape[1]
+    if q.stride(2) != 1 or not _aligned(q, q.stride(0), q.stride(1)):
+        q = q.contiguous()
+    tiles, num_tiles = _tiles(batch, nh // nkv, q.device)
+    part_size, parts = plan_partitions(num_tiles * nkv, batch.max_context_len,
+                                       _sm_count(q.device), partition_size,
+                                       int8=kv.k.dtype == torch.int8)
+    rows = _k.ATTENTION_TILE_ROWS
+    if parts > 1:
+        part_o = torch.empty(num_tiles * nkv * parts * rows * d, dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(2 * num_tiles * nkv * parts * rows, dtype=torch.float32,
+                              device=q.device)
+        part_ptrs = (part_o.data_ptr(), part_ml.data_ptr())
+        fused = FUSED_SPLITK_COMBINE if fused_combine is None else fused_combine
+        counters = _counters(q.device, num_tiles * nkv) if fused else None
+    else:
+        part_ptrs = (0, 0)
+        counters = None
+    if out is None:
+        out = torch.empty((t, nh, d), dtype=q.dtype, device=q.device)
+    tables = batch.block_tables
+    if tables.dtype != torch.int32 or not tables.is_contiguous():
+        tables = tables.to(torch.int32).contiguous()
+    quant = kv.k_scale is not None
+    with _on_device(q):
+        _k.paged_attention(
+            out.data_ptr(), q.data_ptr(), q.stride(0), q.stride(1), kv.k.data_ptr(),
+            kv.v.data_ptr(), kv.k_scale.data_ptr() if quant else 0,
+            kv.v_scale.data_ptr() if quant else 0, tables.data_ptr(), tables.shape[1],
+            batch.cu_q_lens.data_ptr(), batch.context_lens.data_ptr(),
+            0 if tiles is None else tiles.data_ptr(), num_tiles, nh, nkv, d, kv.block_size,
+            float(scale), part_size, parts, part_ptrs[0], part_ptrs[1], _DTYPES[q.dtype],
+            _DTYPES[kv.k.dtype], _stream(q), 0 if counters is None else counters.data_ptr())
+    return out

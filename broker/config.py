@@ -17,6 +17,11 @@ class BrokerConfig:
     default_timeout: float = 300.0  # request deadline when the client sets none
     cancel_grace: float = 2.0  # wait this long for a worker to confirm a cancel
     max_redispatch: int = 3  # worker losses one request survives
+    # False: a request with no worker to run it (none connected, or its worker
+    # lost with no other) waits in the queue until one comes or its deadline
+    # passes. True: it fails at once (no_workers / worker_lost).
+    fail_fast: bool = False
+    broker_id: str = ""  # this process's id in pong/registered; "" picks a random one
     send_hwm: int = 100_000  # per-peer outbound queue, in messages
     # After a burst of messages, keep polling (without sleeping) this long for
     # the next one before blocking: a reply that comes back soon is picked up

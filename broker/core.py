@@ -11,6 +11,7 @@ well-formed generate, delta and final itself and hands every other frame to
 from __future__ import annotations
 
 import logging
+import secrets
 from typing import Optional
 
 import msgpack
@@ -44,7 +45,10 @@ class Broker:
                 setattr(settings, name, getattr(config, name))
         settings.limits = native_limits(self.limits)
         settings.retryable_codes = sorted(P.RETRYABLE_CODES)
-        # Optional metrics: .tick(stats) each tick, .finished(seconds) per request.
+        settings.broker_id = config.broker_id or secrets.token_hex(8)
+        self.broker_id: str = settings.broker_id
+        # Optional metrics: .tick(stats) each tick, .finished(seconds) per request,
+        # .queue_wait(seconds) per dispatch that waited in the queue.
         self.observer = None
         self._core = _native.broker.BrokerCore(settings, self._validate, self._log, self._tick)
         self.front_endpoint: str = self._core.front_endpoint
@@ -63,12 +67,14 @@ class Broker:
     def _log(level: int, message: str) -> None:
         log.log(level, "%s", message)
 
-    def _tick(self, snapshot: bytes, durations: list) -> None:
+    def _tick(self, snapshot: bytes, durations: list, queue_waits: list) -> None:
         observer = self.observer
         if observer is not None:
             observer.tick(msgpack.unpackb(snapshot))
             for seconds in durations:
                 observer.finished(seconds)
+            for seconds in queue_waits:
+                observer.queue_wait(seconds)
 
     def run(self) -> None:
         """Serve until stop() (from any thread) or a signal handler raises."""

@@ -32,6 +32,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="request deadline in seconds when the client sets none")
     p.add_argument("--cancel-grace", type=float, default=d.cancel_grace)
     p.add_argument("--max-redispatch", type=int, default=d.max_redispatch)
+    p.add_argument("--fail-fast", action="store_true",
+                   help="refuse (no_workers, worker_lost) a request no worker can take now, "
+                        "instead of queueing it until one comes or its deadline passes")
+    p.add_argument("--broker-id", default=d.broker_id,
+                   help="this broker's id in pong/registered replies (default: random)")
     p.add_argument("--spin-us", type=float, default=d.spin_us,
                    help="microseconds to keep polling after a burst before sleeping (0: never)")
     p.add_argument("--metrics-port", type=int, default=None,
@@ -75,12 +80,16 @@ class MetricsSync:
                 self._add(m.frames_rejected, "reason", _REJECTS.get(code, "invalid"),
                           f"f{side}:{code}", n)
         self._add(m.redispatches, "", "", "redispatches", stats["redispatches"])
+        self._add(m.resumed_requests, "", "", "resumed", stats["requests_resumed"])
         m.requests_in_flight.set(stats["inflight"])
         m.queue_depth.set(stats["queue_depth"])
         m.workers_alive.set(stats["workers_alive"])
 
     def finished(self, seconds: float) -> None:
         self.m.request_duration.observe(seconds)
+
+    def queue_wait(self, seconds: float) -> None:
+        self.m.queue_wait.observe(seconds)
 
 
 def _serve_metrics(broker, host: str, port: int) -> int:
@@ -100,7 +109,8 @@ def config_from_args(args: argparse.Namespace) -> BrokerConfig:
                         queue_bound=args.queue_bound, max_frame_bytes=args.max_frame_bytes,
                         client_timeout=args.client_timeout, default_timeout=args.default_timeout,
                         cancel_grace=args.cancel_grace, max_redispatch=args.max_redispatch,
-                        spin_us=args.spin_us)
+                        spin_us=args.spin_us, fail_fast=args.fail_fast,
+                        broker_id=args.broker_id)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -11,9 +11,10 @@ import zmq
 import zmq.asyncio
 
 from . import protocol as P
-from .common import (DEADLINE_GRACE_S, PromptLike, decode_reply, encode_checked,
-                     generate_frame, new_id, reply_error, sampling_params, to_event, to_result)
+from .common import (PromptLike, decode_reply, encode_checked, generate_message, new_id,
+                     reply_error, sampling_params, to_event, to_result)
 from .errors import ServerError, Timeout, TurbomqError
+from .resume import DEADLINE_GRACE_S, BrokerWatch, InFlight
 from .types import Delta, Final, Result
 
 _PING = P.pack(P.ping())
@@ -24,24 +25,39 @@ class AsyncClient:
             result = await c.generate("Hello", max_tokens=8)
             async for event in c.generate("Hello", stream=True):
                 ...
+
+    Like Client, a generate outlives its broker (clients/resume.py): given
+    several addresses, the client fails over between them.
     """
 
-    def __init__(self, address: str = "tcp://127.0.0.1:5555", *, timeout: float = 60.0,
-                 ping_interval: float = 2.0, limits: P.Limits = P.DEFAULT_LIMITS,
+    def __init__(self, address: Union[str, Sequence[str]] = "tcp://127.0.0.1:5555", *,
+                 timeout: float = 60.0, ping_interval: float = 0.5, liveness: int = 3,
+                 limits: P.Limits = P.DEFAULT_LIMITS,
                  context: Optional[zmq.asyncio.Context] = None):
-        self.address = address
+        self.watch = BrokerWatch([address] if isinstance(address, str) else address,
+                                 ping_interval, liveness)
         self.timeout = timeout
         self.ping_interval = ping_interval
         self.limits = limits
-        self._sock = (context or zmq.asyncio.Context.instance()).socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.connect(address)
+        self._ctx = context or zmq.asyncio.Context.instance()
+        self._sock = self._connect(self.watch.endpoint)
         self._queues: dict[str, asyncio.Queue] = {}
+        self._inflight: dict[str, InFlight] = {}  # open generates, to send again
         self._reader: Optional[asyncio.Task] = None
         self._reader_error: Optional[BaseException] = None
         self.closed = False
 
+    @property
+    def address(self) -> str:
+        return self.watch.endpoint
+
     # ------------------------------------------------------------ plumbing
+    def _connect(self, endpoint: str) -> zmq.asyncio.Socket:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(endpoint)
+        return sock
+
     def _ensure_reader(self) -> None:
         if self._reader is None or self._reader.done():
             self._reader = asyncio.get_running_loop().create_task(self._read_loop())
@@ -50,17 +66,25 @@ class AsyncClient:
         last_ping = time.monotonic()
         try:
             while True:
-                if await self._sock.poll(self.ping_interval * 1000.0):
+                now = time.monotonic()
+                due = [r for r in self._inflight.values() if r.retry_at is not None]
+                wait = min([self.ping_interval] + [r.retry_at - now for r in due])
+                if await self._sock.poll(max(wait, 0.0) * 1000.0):
                     while True:
                         try:
                             frame = self._sock.recv(zmq.NOBLOCK)
                             frame = frame.result() if isinstance(frame, asyncio.Future) else frame
                         except zmq.Again:
                             break
-                        self._route(frame)
+                        await self._route(frame)
                 now = time.monotonic()
+                if self._inflight and self.watch.silent(now):
+                    await self._failover(now)
+                    last_ping = now
+                await self._resend([r for r in self._inflight.values()
+                                    if r.retry_at is not None and r.retry_at <= now], now)
                 if self._queues and now - last_ping >= self.ping_interval:
-                    await self._sock.send(_PING)
+                    await self._ping()
                     last_ping = now
         except asyncio.CancelledError:
             raise
@@ -69,14 +93,45 @@ class AsyncClient:
             for q in self._queues.values():
                 q.put_nowait(None)
 
-    def _route(self, frame: bytes) -> None:
+    async def _ping(self) -> None:
+        await self._sock.send(_PING)
+        self.watch.pinged(time.monotonic())
+
+    async def _resend(self, reqs, now: float) -> None:
+        for req in reqs:
+            req.broker_id, req.retry_at = self.watch.broker_id, None
+            await self._sock.send(req.frame(now))
+
+    async def _failover(self, now: float) -> None:
+        """The broker went silent: connect to the next one and send every
+        open generate again."""
+        self._sock.close(0)
+        self._sock = self._connect(self.watch.next_endpoint(now))
+        await self._resend(list(self._inflight.values()), now)
+        await self._ping()
+
+    async def _route(self, frame: bytes) -> None:
+        now = time.monotonic()
+        self.watch.heard(now)
         try:
             msg = decode_reply(frame, self.limits)
         except ServerError:
             return  # an unreadable reply names no request we could fail
+        if msg["kind"] == P.Kind.PONG:
+            lost = self.watch.lost_by_pong(msg["broker_id"], list(self._inflight.values()))
+            await self._resend(lost, now)  # the broker restarted: it holds none of them
+            return
         rid = msg.get("request_id")
         if rid is None and len(self._queues) == 1:
             rid = next(iter(self._queues))
+        req = self._inflight.get(rid)
+        if req is not None:
+            try:
+                msg = req.accept(msg, now)
+            except ServerError as e:
+                msg = P.error(rid, e.code, e.message, False)
+            if msg is None:
+                return
         q = self._queues.get(rid)
         if q is not None:
             q.put_nowait(msg)
@@ -91,6 +146,19 @@ class AsyncClient:
             del self._queues[rid]
             raise
         return q
+
+    async def _open_generate(self, msg: dict, deadline: float) -> asyncio.Queue:
+        rid = msg["request_id"]
+        req = InFlight(rid, msg, deadline, broker_id=self.watch.broker_id)
+        q = await self._open(rid, req.frame(time.monotonic()))
+        self._inflight[rid] = req
+        if self.watch.broker_id is None:
+            await self._ping()  # the pong names the broker that has it
+        return q
+
+    def _close_request(self, rid: str) -> None:
+        self._queues.pop(rid, None)
+        self._inflight.pop(rid, None)
 
     async def _next(self, rid: str, q: asyncio.Queue, deadline: float) -> dict:
         remaining = deadline - time.monotonic()
@@ -107,7 +175,7 @@ class AsyncClient:
         try:
             return await self._next(rid, q, time.monotonic() + (timeout or self.timeout))
         finally:
-            self._queues.pop(rid, None)
+            self._close_request(rid)
 
     # ---------------------------------------------------------------- API
     def generate(self, prompt: PromptLike = None, *, input_ids: Optional[Sequence[int]] = None,
@@ -120,29 +188,29 @@ class AsyncClient:
         """`await c.generate(...)` -> Result; `async for e in c.generate(..., stream=True)`.
         Bad arguments raise InvalidRequest at once."""
         timeout = timeout or self.timeout
-        rid, frame = generate_frame(
+        msg = generate_message(
             prompt, input_ids, session_id,
             sampling_params(max_tokens, temperature, top_p, top_k, stop, seed, params),
             stream, timeout, request_id, self.limits)
         deadline_in = timeout + DEADLINE_GRACE_S
         if stream:
-            return self._stream(rid, frame, deadline_in)
-        return self._complete(rid, frame, deadline_in)
+            return self._stream(msg, deadline_in)
+        return self._complete(msg, deadline_in)
 
-    async def _complete(self, rid: str, frame: bytes, deadline_in: float) -> Result:
-        q = await self._open(rid, frame)
+    async def _complete(self, msg: dict, deadline_in: float) -> Result:
+        rid, deadline = msg["request_id"], time.monotonic() + deadline_in
+        q = await self._open_generate(msg, deadline)
         try:
-            return to_result(await self._next(rid, q, time.monotonic() + deadline_in))
+            return to_result(await self._next(rid, q, deadline))
         except (Timeout, asyncio.CancelledError):
             await self.cancel(rid)
             raise
         finally:
-            self._queues.pop(rid, None)
+            self._close_request(rid)
 
-    async def _stream(self, rid: str, frame: bytes,
-                      deadline_in: float) -> AsyncIterator[Union[Delta, Final]]:
-        q = await self._open(rid, frame)
-        deadline = time.monotonic() + deadline_in
+    async def _stream(self, msg: dict, deadline_in: float) -> AsyncIterator[Union[Delta, Final]]:
+        rid, deadline = msg["request_id"], time.monotonic() + deadline_in
+        q = await self._open_generate(msg, deadline)
         finished = False
         try:
             while True:
@@ -154,7 +222,7 @@ class AsyncClient:
                 if finished:
                     return
         finally:
-            self._queues.pop(rid, None)
+            self._close_request(rid)
             if not finished and not self.closed:
                 await self.cancel(rid)
 

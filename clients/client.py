@@ -10,41 +10,62 @@ from typing import Any, Iterator, Optional, Sequence, Union
 import zmq
 
 from . import protocol as P
-from .common import (DEADLINE_GRACE_S, PromptLike, decode_reply, encode_checked,
-                     generate_frame, new_id, reply_error, sampling_params, to_event, to_result)
-from .errors import Timeout
+from .common import (PromptLike, decode_reply, encode_checked, generate_message, new_id,
+                     reply_error, sampling_params, to_event, to_result)
+from .errors import ServerError, Timeout
+from .resume import DEADLINE_GRACE_S, BrokerWatch, InFlight
 from .types import Delta, Final, Result
 
 _PING = P.pack(P.ping())
 
 
 class Client:
-    """Talks to a turbomq broker.
+    """Talks to a turbomq broker, or to the first live one of several.
 
         with Client("tcp://127.0.0.1:5555") as c:
             print(c.generate("Hello", max_tokens=8).text)
             for event in c.generate("Hello", stream=True):
                 ...
+
+    A generate outlives its broker: when the broker goes silent for
+    `ping_interval * liveness` seconds, or restarts, the client sends the
+    request again (to the next address when given several) with the tokens
+    it already has, and the stream continues without gap or duplicate.
     """
 
-    def __init__(self, address: str = "tcp://127.0.0.1:5555", *, timeout: float = 60.0,
-                 ping_interval: float = 2.0, limits: P.Limits = P.DEFAULT_LIMITS,
-                 context: Optional[zmq.Context] = None):
-        self.address = address
+    def __init__(self, address: Union[str, Sequence[str]] = "tcp://127.0.0.1:5555", *,
+                 timeout: float = 60.0, ping_interval: float = 0.5, liveness: int = 3,
+                 limits: P.Limits = P.DEFAULT_LIMITS, context: Optional[zmq.Context] = None):
+        self.watch = BrokerWatch([address] if isinstance(address, str) else address,
+                                 ping_interval, liveness)
         self.timeout = timeout  # default deadline of one request, seconds
         self.ping_interval = ping_interval  # keeps the broker from cancelling our requests
         self.limits = limits
-        self._sock = (context or zmq.Context.instance()).socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.connect(address)
+        self._ctx = context or zmq.Context.instance()
+        self._sock = self._connect(self.watch.endpoint)
         self._inbox: dict[str, deque] = {}  # open request id -> replies not yet read
+        self._inflight: dict[str, InFlight] = {}  # open generates, to send again
         self._last_send = 0.0
         self.closed = False
 
+    @property
+    def address(self) -> str:
+        return self.watch.endpoint
+
     # ------------------------------------------------------------ plumbing
+    def _connect(self, endpoint: str) -> zmq.Socket:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(endpoint)
+        return sock
+
     def _send(self, frame: bytes) -> None:
         self._sock.send(frame)
         self._last_send = time.monotonic()
+
+    def _ping(self) -> None:
+        self._send(_PING)
+        self.watch.pinged(self._last_send)
 
     def _open(self, rid: str, frame: bytes) -> None:
         self._inbox[rid] = deque()
@@ -54,20 +75,49 @@ class Client:
             del self._inbox[rid]
             raise
 
+    def _open_generate(self, msg: dict, deadline: float) -> str:
+        rid = msg["request_id"]
+        req = InFlight(rid, msg, deadline, broker_id=self.watch.broker_id)
+        self._open(rid, req.frame(time.monotonic()))
+        self._inflight[rid] = req
+        if self.watch.broker_id is None:
+            self._ping()  # the pong names the broker that has it
+        return rid
+
     def _close_request(self, rid: str) -> None:
         self._inbox.pop(rid, None)
+        self._inflight.pop(rid, None)
+
+    def _resend(self, reqs, now: float) -> None:
+        for req in reqs:
+            req.broker_id, req.retry_at = self.watch.broker_id, None
+            self._send(req.frame(now))
+
+    def _failover(self, now: float) -> None:
+        """The broker went silent: connect to the next one and send every
+        open generate again."""
+        self._sock.close(0)
+        self._sock = self._connect(self.watch.next_endpoint(now))
+        self._resend(list(self._inflight.values()), now)
+        self._ping()
 
     def _next_reply(self, rid: str, deadline: float) -> dict:
         """The next reply for `rid`, reading (and sorting) the socket as needed."""
         box = self._inbox[rid]
+        self._read_available(rid)  # what came while nobody read: before judging silence
         while not box:
             now = time.monotonic()
             if now >= deadline:
                 raise Timeout(P.Code.TIMEOUT, "no reply from the broker in time", True, rid)
+            if self._inflight and self.watch.silent(now):
+                self._failover(now)
+            self._resend([r for r in self._inflight.values()
+                          if r.retry_at is not None and r.retry_at <= now], now)
             if now - self._last_send >= self.ping_interval:
-                self._send(_PING)
-            wait = min(deadline - now, self.ping_interval)
-            if self._sock.poll(wait * 1000.0):
+                self._ping()
+            wait = min([deadline - now, self.ping_interval] +
+                       [r.retry_at - now for r in self._inflight.values() if r.retry_at is not None])
+            if self._sock.poll(max(wait, 0.0) * 1000.0):
                 self._read_available(rid)
         return box.popleft()
 
@@ -77,10 +127,25 @@ class Client:
                 frame = self._sock.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
+            now = time.monotonic()
+            self.watch.heard(now)
             msg = decode_reply(frame, self.limits)
+            if msg["kind"] == P.Kind.PONG:
+                lost = self.watch.lost_by_pong(msg["broker_id"], list(self._inflight.values()))
+                self._resend(lost, now)  # the broker restarted: it holds none of them
+                continue
             rid = msg.get("request_id")
             # An error naming no request answers the one we are waiting on.
-            box = self._inbox.get(rid if rid is not None else waiting_rid)
+            rid = rid if rid is not None else waiting_rid
+            req = self._inflight.get(rid)
+            if req is not None:
+                try:
+                    msg = req.accept(msg, now)
+                except ServerError as e:  # for its own reader, not whoever waits now
+                    msg = P.error(rid, e.code, e.message, False)
+                if msg is None:
+                    continue
+            box = self._inbox.get(rid)
             if box is not None:
                 box.append(msg)
             # else: a late reply for a request we stopped reading: drop it
@@ -103,12 +168,12 @@ class Client:
         SamplingParams field (min_p, repetition_penalty, stop_token_ids, ...).
         stream=False returns a Result; stream=True a Stream of Delta ending with a Final."""
         timeout = timeout or self.timeout
-        rid, frame = generate_frame(
+        msg = generate_message(
             prompt, input_ids, session_id,
             sampling_params(max_tokens, temperature, top_p, top_k, stop, seed, params),
             stream, timeout, request_id, self.limits)
         deadline = time.monotonic() + timeout + DEADLINE_GRACE_S
-        self._open(rid, frame)
+        rid = self._open_generate(msg, deadline)
         if stream:
             return Stream(self, rid, deadline)
         try:

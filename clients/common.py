@@ -9,10 +9,6 @@ from . import protocol as P
 from .errors import InvalidRequest, ServerError, TurbomqError, error_for, from_reply
 from .types import Delta, Final, Result, Usage
 
-# The client waits this much past a request's timeout for the broker's own
-# `timeout` error before giving up locally.
-DEADLINE_GRACE_S = 1.0
-
 PromptLike = Union[str, Sequence[int], None]
 
 
@@ -42,15 +38,15 @@ def split_prompt(prompt: PromptLike, input_ids: Optional[Sequence[int]]) -> tupl
     return prompt, input_ids
 
 
-def generate_frame(prompt: PromptLike, input_ids: Optional[Sequence[int]],
-                   session_id: Optional[str], sampling: dict, stream: bool, timeout: float,
-                   request_id: Optional[str], limits: P.Limits) -> tuple[str, bytes]:
-    """(request id, checked frame) of a `generate` request: the part the sync
-    and async clients share."""
+def generate_message(prompt: PromptLike, input_ids: Optional[Sequence[int]],
+                     session_id: Optional[str], sampling: dict, stream: bool, timeout: float,
+                     request_id: Optional[str], limits: P.Limits) -> dict:
+    """A checked `generate` message: the part the sync and async clients share."""
     prompt, input_ids = split_prompt(prompt, input_ids)
-    rid = request_id or new_id()
-    msg = P.generate(rid, prompt, input_ids, session_id, sampling, stream, timeout)
-    return rid, encode_checked(msg, limits)
+    msg = P.generate(request_id or new_id(), prompt, input_ids, session_id, sampling, stream,
+                     timeout)
+    encode_checked(msg, limits)
+    return msg
 
 
 def encode_checked(msg: dict, limits: P.Limits) -> bytes:

@@ -149,6 +149,13 @@ BROKER_METRICS: tuple[MetricSpec, ...] = (
        labels=("decision",), label_values=(("decision", ROUTING_DECISIONS),)),
     _b("redispatches", "turbomq_broker_redispatches_total", COUNTER, "requests",
        "Requests sent again to another worker after their worker was lost."),
+    _b("resumed_requests", "turbomq_broker_resumed_requests_total", COUNTER, "requests",
+       "Requests a client sent again with the tokens it already had (resume_tokens), "
+       "after losing the broker that held them."),
+    _b("queue_wait", "turbomq_broker_queue_wait_seconds", HISTOGRAM, "seconds",
+       "Time a request waited in the broker's queue for a worker (every dispatch that "
+       "waited: no free slot, no worker connected, or its worker lost).",
+       buckets=QUEUE_BUCKETS),
     _b("frames_rejected", "turbomq_broker_frames_rejected_total", COUNTER, "frames",
        "Frames refused before routing, by reason.",
        labels=("reason",), label_values=(("reason", FRAME_REJECT_REASONS),)),

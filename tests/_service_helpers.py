@@ -23,20 +23,31 @@ class Service:
         self.tmp = tmp_path
         self.procs: list[subprocess.Popen] = []
         self.workers: dict[str, subprocess.Popen] = {}
-        flags = {"heartbeat-interval": 0.1, "liveness": 5, "log-level": "WARNING", **broker_flags}
+        self.broker_flags = {"heartbeat-interval": 0.1, "liveness": 5, "log-level": "WARNING",
+                             **broker_flags}
+        self.front, self.back = self._start_broker("tcp://127.0.0.1:*", "tcp://127.0.0.1:*")
+        self.event_log = tmp_path / "events.jsonl"
+        self.event_log.touch()
+
+    def _start_broker(self, front: str, back: str) -> tuple[str, str]:
         cmd = ["timeout", "-s", "KILL", str(LIFETIME_S), PY, "-m", "turbomq.broker",
-               "--front", "tcp://127.0.0.1:*", "--back", "tcp://127.0.0.1:*"]
-        for k, v in flags.items():
-            cmd += [f"--{k}", str(v)]
+               "--front", front, "--back", back]
+        for k, v in self.broker_flags.items():
+            cmd += [f"--{k}"] if v is True else [f"--{k}", str(v)]
         self.broker = self._spawn(cmd, stdout=subprocess.PIPE)
         line = self.broker.stdout.readline()
         if not line:
             self.close()
             raise RuntimeError("broker did not start")
         endpoints = json.loads(line)
-        self.front, self.back = endpoints["front"], endpoints["back"]
-        self.event_log = tmp_path / "events.jsonl"
-        self.event_log.touch()
+        return endpoints["front"], endpoints["back"]
+
+    def restart_broker(self, down_s: float = 0.0) -> None:
+        """SIGKILL the broker, then start a new one on the same endpoints."""
+        os.killpg(self.broker.pid, signal.SIGKILL)
+        self.broker.wait(5)
+        time.sleep(down_s)
+        self._start_broker(self.front, self.back)
 
     def _spawn(self, cmd: list, **kw) -> subprocess.Popen:
         proc = subprocess.Popen(cmd, text=True, start_new_session=True, **kw)

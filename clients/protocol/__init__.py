@@ -24,7 +24,7 @@ each field. This package depends on msgpack only. Import from here
 from .codec import (_decode, decode_broker_command, decode_client_reply, decode_client_request,
                     decode_worker_message, pack, unpack)
 from .messages import (cancel, delta, dispatch, end_session, error, final, generate, health,
-                       health_reply, heartbeat, ping, reconnect, register, registered,
+                       health_reply, heartbeat, ping, pong, reconnect, register, registered,
                        session_ended, stats, stats_reply, usage, worker_delta, worker_final)
 from .schema import (ALL_CODES, DEFAULT_LIMITS, FINISH_REASONS, MAX_TOKEN_ID, PROTOCOL_VERSION,
                      RETRYABLE_CODES, Code, Kind, Limits, ProtocolError)
@@ -41,6 +41,6 @@ __all__ = [
     "pack", "unpack", "decode_client_request", "decode_client_reply", "decode_worker_message",
     "decode_broker_command",
     "generate", "cancel", "end_session", "health", "stats", "ping", "delta", "final", "error",
-    "health_reply", "stats_reply", "session_ended", "usage", "register", "heartbeat",
+    "health_reply", "pong", "stats_reply", "session_ended", "usage", "register", "heartbeat",
     "worker_delta", "worker_final", "registered", "dispatch", "reconnect",
 ]

@@ -20,9 +20,11 @@ def _msg(kind: str, **fields: Any) -> dict:
 # client -> broker
 def generate(request_id: str, prompt: Optional[str] = None, input_ids: Optional[list] = None,
              session_id: Optional[str] = None, params: Optional[dict] = None,
-             stream: bool = False, timeout: Optional[float] = None) -> dict:
+             stream: bool = False, timeout: Optional[float] = None,
+             resume_tokens: Optional[list] = None, resume_text: Optional[str] = None) -> dict:
     return _msg(Kind.GENERATE, request_id=request_id, prompt=prompt, input_ids=input_ids,
-                session_id=session_id, params=params or {}, stream=stream, timeout=timeout)
+                session_id=session_id, params=params or {}, stream=stream, timeout=timeout,
+                resume_tokens=resume_tokens, resume_text=resume_text)
 
 
 def cancel(request_id: str, attempt: Optional[int] = None) -> dict:
@@ -76,6 +78,10 @@ def stats_reply(request_id: str, stats_map: dict) -> dict:
     return _msg(Kind.STATS, request_id=request_id, stats=stats_map)
 
 
+def pong(broker_id: str) -> dict:
+    return _msg(Kind.PONG, broker_id=broker_id)
+
+
 def session_ended(request_id: str, session_id: str) -> dict:
     return _msg(Kind.SESSION_ENDED, request_id=request_id, session_id=session_id)
 
@@ -113,16 +119,18 @@ def worker_final(request_id: str, attempt: int, finish_reason: str, usage_map: d
             "token_ids": token_ids, "text": text}
 
 
-def registered(heartbeat_interval: float, liveness: int) -> dict:
-    return _msg(Kind.REGISTERED, heartbeat_interval=heartbeat_interval, liveness=liveness)
+def registered(heartbeat_interval: float, liveness: int, broker_id: Optional[str] = None) -> dict:
+    return _msg(Kind.REGISTERED, heartbeat_interval=heartbeat_interval, liveness=liveness,
+                broker_id=broker_id)
 
 
 def dispatch(request_id: str, attempt: int, prompt: Optional[str], input_ids: Optional[list],
              session_id: Optional[str], params: dict, resume_tokens: list, resume_text: str,
-             timeout: Optional[float] = None) -> dict:
+             timeout: Optional[float] = None, turn_id: Optional[str] = None) -> dict:
     return _msg(Kind.DISPATCH, request_id=request_id, attempt=attempt, prompt=prompt,
                 input_ids=input_ids, session_id=session_id, params=params,
-                resume_tokens=resume_tokens, resume_text=resume_text, timeout=timeout)
+                resume_tokens=resume_tokens, resume_text=resume_text, timeout=timeout,
+                turn_id=turn_id)
 
 
 def reconnect() -> dict:

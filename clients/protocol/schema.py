@@ -26,6 +26,7 @@ class Kind:
     HEARTBEAT = "heartbeat"
     DISPATCH = "dispatch"
     RECONNECT = "reconnect"
+    PONG = "pong"
 
 
 class Code:
@@ -114,7 +115,8 @@ _REQUEST_ID_ONLY = _fields("request_id")  # cancel, health, stats from a client
 _END_SESSION = _fields("request_id", "session_id")  # end_session and session_ended, all ways
 
 # client -> broker
-_GENERATE = _fields("request_id", "prompt", "input_ids", "session_id", "params", "stream", "timeout")
+_GENERATE = _fields("request_id", "prompt", "input_ids", "session_id", "params", "stream", "timeout",
+                    "resume_tokens", "resume_text")
 
 # broker -> client
 _DELTA_C = _fields("request_id", "seq", "index", "token_ids", "text")
@@ -122,6 +124,7 @@ _FINAL_C = _fields("request_id", "seq", "finish_reason", "usage", "token_ids", "
 _ERROR = _fields("request_id", "code", "message", "retryable", "attempt")  # also worker -> broker
 _HEALTH_R = _fields("request_id", "status", "workers", "queue_depth", "inflight")
 _STATS_R = _fields("request_id", "stats")
+_PONG_R = _fields("broker_id")
 
 # worker -> broker
 _REGISTER = _fields("worker_id", "model", "slots", "kv_blocks", "metrics_port")
@@ -131,9 +134,9 @@ _DELTA_W = _fields("request_id", "attempt", "index", "token_ids", "text")
 _FINAL_W = _fields("request_id", "attempt", "finish_reason", "usage", "token_ids", "text")
 
 # broker -> worker
-_REGISTERED_B = _fields("heartbeat_interval", "liveness")
+_REGISTERED_B = _fields("heartbeat_interval", "liveness", "broker_id")
 _DISPATCH = _fields("request_id", "attempt", "prompt", "input_ids", "session_id", "params",
-                    "resume_tokens", "resume_text", "timeout")
+                    "resume_tokens", "resume_text", "timeout", "turn_id")
 _CANCEL_B = _fields("request_id", "attempt")
 
 # the `usage` map of a final (not a message: no v, no kind)

@@ -11,7 +11,7 @@ from typing import Any, Callable, Optional
 
 from .schema import (_CANCEL_B, _DELTA_C, _DELTA_W, _DISPATCH, _END_SESSION, _ERROR, _FINAL_C,
                      _FINAL_W, _GENERATE, _HEALTH_R, _HEARTBEAT_W, _NO_FIELDS, _REGISTER,
-                     _REGISTERED_B, _REQUEST_ID_ONLY, _STATS_R, _USAGE_KEYS, DEFAULT_LIMITS,
+                     _PONG_R, _REGISTERED_B, _REQUEST_ID_ONLY, _STATS_R, _USAGE_KEYS, DEFAULT_LIMITS,
                      FINISH_REASONS, MAX_TOKEN_ID, Code, Kind, Limits, ProtocolError)
 
 
@@ -264,6 +264,16 @@ def _c_generate(msg: dict, limits: Limits) -> None:
     _check_params(msg, limits)
     _check_bool(msg, "stream")
     _check_timeout(msg, limits)
+    _check_resume(msg, limits)
+
+
+def _check_resume(msg: dict, limits: Limits) -> None:
+    """resume_tokens: what the client already has of this request's output
+    (it continues after them); resume_text: their text, only beside them."""
+    _check_ids(msg, "resume_tokens", limits.max_new_tokens, required=False)
+    _check_str(msg, "resume_text", limits.max_text_chars, required=False, empty_ok=True)
+    if "resume_text" in msg and "resume_tokens" not in msg:
+        raise _bad(msg, "resume_text needs resume_tokens")
 
 
 def _c_request_id_only(msg: dict, limits: Limits) -> None:
@@ -290,6 +300,11 @@ def _r_final(msg: dict, limits: Limits) -> None:
     _check_final(msg, limits, _FINAL_C, "seq")
 
 
+def _r_pong(msg: dict, limits: Limits) -> None:
+    _check_fields(msg, _PONG_R)
+    _check_str(msg, "broker_id", limits.max_id_chars)
+
+
 def _r_health(msg: dict, limits: Limits) -> None:
     _check_fields(msg, _HEALTH_R)
     _check_str(msg, "request_id", limits.max_id_chars)
@@ -313,6 +328,7 @@ CLIENT_REPLY_CHECKS = {
     Kind.HEALTH: _r_health,
     Kind.STATS: _r_stats,
     Kind.SESSION_ENDED: _end_session,
+    Kind.PONG: _r_pong,
 }
 
 
@@ -412,6 +428,7 @@ WORKER_MESSAGE_CHECKS = {
 # ---------------------------------------------------------- broker -> worker
 def _b_registered(msg: dict, limits: Limits) -> None:
     _check_fields(msg, _REGISTERED_B)
+    _check_str(msg, "broker_id", limits.max_id_chars, required=False)
     hb = msg.get("heartbeat_interval")
     if not (_is_num(hb) and 0 < hb <= 3600):
         raise _bad(msg, "heartbeat_interval must be seconds in (0, 3600]")
@@ -428,6 +445,7 @@ def _b_dispatch(msg: dict, limits: Limits) -> None:
     _check_ids(msg, "resume_tokens", limits.max_new_tokens)
     _check_str(msg, "resume_text", limits.max_text_chars, empty_ok=True)
     _check_timeout(msg, limits)
+    _check_str(msg, "turn_id", limits.max_id_chars, required=False)
 
 
 def _b_cancel(msg: dict, limits: Limits) -> None:

@@ -43,9 +43,10 @@ class PyBroker {
       }
     };
     if (!tick_.is_none()) {
-      hooks.tick = [this](const std::string& snapshot, const std::vector<double>& durations) {
+      hooks.tick = [this](const std::string& snapshot, const std::vector<double>& durations,
+                          const std::vector<double>& waits) {
         py::gil_scoped_acquire gil;
-        tick_(py::bytes(snapshot), durations);
+        tick_(py::bytes(snapshot), durations, waits);
       };
     }
     hooks.check_signals = [this]() {
@@ -137,6 +138,8 @@ void bind_broker(py::module_& parent) {
       .def_readwrite("max_redispatch", &BrokerSettings::max_redispatch)
       .def_readwrite("send_hwm", &BrokerSettings::send_hwm)
       .def_readwrite("spin_us", &BrokerSettings::spin_us)
+      .def_readwrite("fail_fast", &BrokerSettings::fail_fast)
+      .def_readwrite("broker_id", &BrokerSettings::broker_id)
       .def_readwrite("limits", &BrokerSettings::limits)
       .def_readwrite("retryable_codes", &BrokerSettings::retryable_codes);
 

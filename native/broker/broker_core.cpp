@@ -306,8 +306,13 @@ void BrokerCore::on_client_frame(const std::string& client, std::string_view fra
     key(w, "request_id"); w.str(req.request_id);
     key(w, "stats"); w.raw(stats_snapshot());
     send_client(client, w.take());
+  } else if (req.kind == "ping") {
+    // Being heard from keeps the client's requests alive; the pong's broker id
+    // tells the client whether the broker that holds its requests is still this one.
+    msgpack::Writer w = begin_message("pong", 1);
+    key(w, "broker_id"); w.str(settings_.broker_id);
+    send_client(client, w.take());
   }
-  // ping: being heard from is all it does.
 }
 
 void BrokerCore::on_worker_frame(const std::string& ident, std::string_view frame,
@@ -388,11 +393,12 @@ void BrokerCore::tick(double t) {
   }
   if (hooks_.tick) {
     try {
-      hooks_.tick(stats_snapshot(), finished_durations_);
+      hooks_.tick(stats_snapshot(), finished_durations_, queue_waits_);
     } catch (const std::exception& e) {  // metrics must not stop the broker
       log(kError, std::string("the tick hook failed: ") + e.what());
     }
     finished_durations_.clear();
+    queue_waits_.clear();
   }
 }
 
@@ -415,8 +421,9 @@ std::string BrokerCore::stats_snapshot() const {
     slots_total += wk->slots;
     slots_free += wk->free_slots();
   }
-  w.map(21);
+  w.map(22);
   count("requests_received", stats_.requests_received);
+  count("requests_resumed", stats_.requests_resumed);
   counts("requests_by_outcome", stats_.outcomes);
   counts("routing", stats_.routing);
   counts("frames_rejected", stats_.frames_rejected);

@@ -36,6 +36,10 @@ struct BrokerSettings {
   int64_t max_redispatch = 3;
   int64_t send_hwm = 100000;
   double spin_us = 250.0;
+  // false: a request with no worker to run it waits (queued) until one comes or
+  // its deadline passes; true: it fails at once with no_workers / worker_lost.
+  bool fail_fast = false;
+  std::string broker_id;  // this process's id, in pong and registered replies
   ProtocolLimits limits;
   std::vector<std::string> retryable_codes;  // protocol.RETRYABLE_CODES
 };
@@ -51,9 +55,11 @@ struct BrokerHooks {
   // clients/protocol's verdict on a frame the fast path did not accept: nullopt if valid.
   std::function<std::optional<Rejection>(Side, std::string_view)> validate;
   std::function<void(int level, const std::string&)> log;  // Python logging levels
-  // Once per tick: the stats snapshot (msgpack) and the durations of the
-  // requests finished since the last tick, in seconds.
-  std::function<void(const std::string&, const std::vector<double>&)> tick;
+  // Once per tick: the stats snapshot (msgpack), the durations of the
+  // requests finished since the last tick and the waits in the queue of the
+  // requests dispatched since then, in seconds.
+  std::function<void(const std::string&, const std::vector<double>&, const std::vector<double>&)>
+      tick;
   // Run pending signal handlers; false: stop.
   std::function<bool()> check_signals;
 };
@@ -163,12 +169,12 @@ class BrokerCore {
   uint64_t next_key_ = 0;
 
   struct Stats {
-    int64_t requests_received = 0, redispatches = 0, redispatches_resumed = 0,
+    int64_t requests_received = 0, requests_resumed = 0, redispatches = 0, redispatches_resumed = 0,
             duplicates_dropped = 0, stale_dropped = 0, cancels_forwarded = 0,
             workers_registered = 0, workers_lost = 0, messages_in = 0, messages_out = 0;
     std::map<std::string, int64_t> outcomes, routing, frames_rejected, worker_frames_rejected;
   } stats_;
-  std::vector<double> finished_durations_;
+  std::vector<double> finished_durations_, queue_waits_;
 
   msgpack::Document doc_;  // reused per message
   ClientRequest client_req_;

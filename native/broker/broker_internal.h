@@ -55,6 +55,7 @@ struct BrokerCore::Pending {
   bool has_session = false;
   std::string session_id;
   double arrived = 0.0, deadline = 0.0;
+  double queued_at = -1.0;  // when it entered the queue; < 0: not queued
   WorkerPtr worker;
   int64_t attempt = 0, redispatches = 0;
   std::vector<int64_t> delivered;  // token ids already accepted, in order

@@ -38,9 +38,10 @@ void BrokerCore::on_register(const std::string& ident, const WorkerMessage& msg)
   if (old) worker_lost(old, "re-registered");  // it started over with us: its old work is gone
   log(kInfo, "worker " + worker->worker_id + " registered: " + std::to_string(worker->slots) +
                  " slots, " + std::to_string(worker->kv_blocks) + " kv blocks");
-  msgpack::Writer w = begin_message("registered", 2);
+  msgpack::Writer w = begin_message("registered", 3);
   key(w, "heartbeat_interval"); w.real(settings_.heartbeat_interval);
   key(w, "liveness"); w.integer(settings_.liveness);
+  key(w, "broker_id"); w.str(settings_.broker_id);
   send_worker(worker, w.take());
   drain_queue();
 }
@@ -97,25 +98,29 @@ void BrokerCore::worker_lost(WorkerPtr worker, const std::string& why) {
   std::sort(orphans.begin(), orphans.end(),
             [](const PendingPtr& a, const PendingPtr& b) { return a->number < b->number; });
   std::vector<PendingPtr> requeue;
+  const double t = now();
   for (const PendingPtr& p : orphans) {
     p->worker = nullptr;
     if (p->client_done) {
       release(p);
     } else if (p->cancelling) {
       cancelled_final(p);
-    } else if (workers_.empty() || p->redispatches >= settings_.max_redispatch) {
+    } else if ((workers_.empty() && settings_.fail_fast) ||
+               p->redispatches >= settings_.max_redispatch) {
       fail(p, "worker_lost", "worker " + worker->worker_id +
                                  " was lost and the request could not be moved");
     } else {
       ++p->redispatches;
       ++stats_.redispatches;
       if (!p->delivered.empty()) ++stats_.redispatches_resumed;
+      p->queued_at = t;
       requeue.push_back(p);
     }
   }
-  // Moved requests go ahead of new ones: they were admitted first.
+  // Moved requests go ahead of new ones: they were admitted first. With no
+  // worker left they wait for one (or their deadline), unless fail_fast.
   queue_.insert(queue_.begin(), requeue.begin(), requeue.end());
-  if (workers_.empty()) {
+  if (workers_.empty() && settings_.fail_fast) {
     while (!queue_.empty()) {
       PendingPtr p = queue_.front();
       queue_.pop_front();

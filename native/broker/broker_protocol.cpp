@@ -204,6 +204,9 @@ bool read_client_request(const Document& doc, ClientRequest& out) {
   out.stream = stream != nullptr && stream->type == Type::Bool && stream->boolean;
   double t;
   if (number(doc.get(msg, "timeout"), t)) out.timeout = t;
+  if (const Node* r = doc.get(msg, "resume_tokens"); r != nullptr && r->type == Type::Array)
+    for (int32_t k = r->first; k >= 0; k = doc.node(k).next) out.resume_tokens.push_back(doc.node(k).i);
+  out.resume_text = str_or_empty(doc.get(msg, "resume_text"));
   return true;
 }
 

@@ -47,6 +47,9 @@ struct ClientRequest {
   std::string_view params;
   bool stream = false;
   double timeout = 0.0;  // 0: none given
+  // What the client already has of this request's output (a resumed request).
+  std::vector<int64_t> resume_tokens;
+  std::string_view resume_text;
 };
 
 // What the broker reads from a worker message.

@@ -37,7 +37,8 @@ void BrokerCore::on_generate(const std::string& client, const ClientRequest& req
   if (req.has_session && busy_sessions_.count(sid))
     return refuse(client, rid, "session_busy",
                   "session " + quoted(sid) + " already has a request in flight");
-  if (workers_.empty()) return refuse(client, rid, "no_workers", "no worker is connected");
+  if (workers_.empty() && settings_.fail_fast)
+    return refuse(client, rid, "no_workers", "no worker is connected");
   WorkerPtr worker = pick(req.has_session ? &sid : nullptr);
   if (!worker && static_cast<int64_t>(queue_.size()) >= settings_.queue_bound)
     return refuse(client, rid, "overloaded",
@@ -55,12 +56,19 @@ void BrokerCore::on_generate(const std::string& client, const ClientRequest& req
   p->session_id = sid;
   p->arrived = t;
   p->deadline = t + (req.timeout > 0 ? req.timeout : settings_.default_timeout);
+  p->delivered = req.resume_tokens;  // a resumed request continues after these
+  p->text.assign(req.resume_text);
+  if (!p->delivered.empty()) ++stats_.requests_resumed;
   requests_[p->key] = p;
   by_client_[{client, rid}] = p;
   client_requests_[client].insert(p->key);
   if (p->has_session) busy_sessions_.insert(sid);
-  if (!worker) queue_.push_back(p);
-  else dispatch(p, worker, t);
+  if (!worker) {
+    p->queued_at = t;
+    queue_.push_back(p);
+  } else {
+    dispatch(p, worker, t);
+  }
 }
 
 BrokerCore::WorkerPtr BrokerCore::pick(const std::string* session_id) {
@@ -81,10 +89,14 @@ BrokerCore::WorkerPtr BrokerCore::pick(const std::string* session_id) {
 }
 
 void BrokerCore::dispatch(const PendingPtr& p, const WorkerPtr& worker, double t) {
+  if (p->queued_at >= 0.0) {
+    if (hooks_.tick) queue_waits_.push_back(t - p->queued_at);
+    p->queued_at = -1.0;
+  }
   ++p->attempt;
   p->worker = worker;
   worker->inflight[p->key] = p;
-  msgpack::Writer w = begin_message("dispatch", p->has_session ? 8 : 7);
+  msgpack::Writer w = begin_message("dispatch", p->has_session ? 9 : 8);
   key(w, "request_id"); w.str(p->key);
   key(w, "attempt"); w.integer(p->attempt);
   key(w, p->has_prompt ? "prompt" : "input_ids"); w.raw(p->prompt_or_ids);
@@ -94,6 +106,9 @@ void BrokerCore::dispatch(const PendingPtr& p, const WorkerPtr& worker, double t
   for (int64_t tok : p->delivered) w.integer(tok);
   key(w, "resume_text"); w.str(p->text);
   key(w, "timeout"); w.real(std::round(std::max(p->deadline - t, 0.001) * 1000.0) / 1000.0);
+  // The client's id: the same whichever broker sends the turn, so a worker
+  // can tell a re-sent turn that was committed already.
+  key(w, "turn_id"); w.str(p->request_id);
   const char* decision = "stateless";
   if (p->has_session) {
     key(w, "session_id"); w.str(p->session_id);

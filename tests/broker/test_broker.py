@@ -10,7 +10,7 @@ import msgpack
 import pytest
 import zmq
 
-from turbomq.clients import Client, Overloaded, Timeout, Unavailable, UnknownSession
+from turbomq.clients import Client, Delta, Final, Overloaded, Timeout, Unavailable, UnknownSession
 from turbomq.clients import protocol as P
 
 from _service_helpers import Service, expected_echo
@@ -214,20 +214,100 @@ def test_crash_before_and_during_non_streaming(service, client_for):
     assert attempts == [("crashy", 1), ("steady", 2)]
 
 
-def test_last_worker_lost_fails_with_worker_lost(service, client_for):
+def test_no_worker_window_waits_for_a_worker(service, client_for):
+    # The only worker dies mid-stream: the request waits in the queue, and so
+    # does a new one, until a worker comes back; both then complete in full.
     svc = service()
+    svc.add_worker("first", slots=2, delay=0.02)
+    c = client_for(svc, timeout=20.0)
+    svc.wait_workers(c, 1)
+    stream = c.generate(input_ids=[1, 2, 3], max_tokens=60, stream=True)
+    first = next(stream)
+    svc.kill_worker("first")
+    c2 = client_for(svc, timeout=20.0)
+    waiting = c2.generate(input_ids=[7], max_tokens=5, stream=True)
+    time.sleep(1.0)  # no worker at all for a while
+    assert c2.health()["workers"] == 0
+    svc.add_worker("second", slots=2, delay=0.0)
+    events = [first] + list(stream)
+    deltas = [e for e in events if isinstance(e, Delta)]
+    assert [d.seq for d in deltas] == list(range(len(deltas)))
+    tokens = [t for d in deltas for t in d.token_ids]
+    assert tokens == expected_echo([1, 2, 3], 60)
+    assert isinstance(events[-1], Final) and events[-1].finish_reason == "length"
+    assert [t for e in waiting if isinstance(e, Delta) for t in e.token_ids] == [7] * 5
+    stats = c.stats()
+    assert stats["redispatches"] >= 1 and stats["requests_by_outcome"]["completed"] == 2
+
+
+def test_no_worker_deadline_ends_with_timeout(service, client_for):
+    svc = service()
+    c = client_for(svc, timeout=10.0)
+    with pytest.raises(Timeout) as info:
+        c.generate(input_ids=[1], max_tokens=3, timeout=0.5)
+    assert info.value.code == "timeout"
+
+
+def test_broker_restart_resumes_streams_without_gap_or_duplicate(service, client_for):
+    # SIGKILL the broker mid-stream and start a new one on the same ports:
+    # the clients notice (a pong from another broker id), send again with the
+    # tokens they have, and every stream ends complete and contiguous.
+    svc = service()
+    svc.add_worker("w", slots=8, delay=0.03)
+    clients = [client_for(svc, timeout=20.0) for _ in range(4)]
+    svc.wait_workers(clients[0], 1)
+    streams = [c.generate(input_ids=[i + 1, i + 2], max_tokens=40, stream=True)
+               for i, c in enumerate(clients[:3])]
+    plain_source = [9, 8, 7]
+    firsts = [next(s) for s in streams]
+    svc.restart_broker(down_s=0.3)
+    result = clients[3].generate(input_ids=plain_source, max_tokens=12)  # sent after the kill
+    assert result.token_ids == expected_echo(plain_source, 12)
+    for i, (stream, first) in enumerate(zip(streams, firsts)):
+        events = [first] + list(stream)
+        deltas = [e for e in events if isinstance(e, Delta)]
+        assert [d.seq for d in deltas] == list(range(len(deltas)))
+        assert [d.index for d in deltas] == [sum(len(x.token_ids) for x in deltas[:k])
+                                             for k in range(len(deltas))]
+        assert [t for d in deltas for t in d.token_ids] == expected_echo([i + 1, i + 2], 40)
+        assert events[-1].finish_reason == "length" and events[-1].usage.completion_tokens == 40
+    stats = clients[0].stats()  # the new broker's
+    assert stats["requests_resumed"] >= 3
+
+
+def raw_replies(front: str, frames: list, n: int, within: float = 5.0) -> list:
+    """Send frames on a bare DEALER and read n replies (no client-side retries)."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(front)
+    try:
+        for f in frames:
+            sock.send(f)
+        out = []
+        while len(out) < n and sock.poll(within * 1000):
+            out.append(P.decode_client_reply(sock.recv()))
+        return out
+    finally:
+        sock.close(0)
+
+
+def test_fail_fast_refuses_without_workers(service, client_for):
+    svc = service(**{"fail-fast": True})
     svc.add_worker("only", slots=1, delay=0.05)
     c = client_for(svc)
     svc.wait_workers(c, 1)
-    stream = c.generate(input_ids=[1], max_tokens=100, stream=True)
-    next(stream)
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(svc.front)
+    sock.send(P.pack(P.generate("a", input_ids=[1], params={"max_tokens": 100}, stream=True)))
+    assert P.decode_client_reply(sock.recv())["kind"] == "delta"
     svc.kill_worker("only")
-    with pytest.raises(Unavailable) as info:
-        list(stream)
-    assert info.value.code == "worker_lost" and info.value.retryable
-    with pytest.raises(Unavailable) as info:
-        c.generate(input_ids=[1])
-    assert info.value.code == "no_workers"
+    while (msg := P.decode_client_reply(sock.recv()))["kind"] == "delta":
+        pass
+    sock.close(0)
+    assert msg["kind"] == "error" and msg["code"] == "worker_lost" and msg["retryable"]
+    [reply] = raw_replies(svc.front, [P.pack(P.generate("b", input_ids=[1]))], 1)
+    assert reply["kind"] == "error" and reply["code"] == "no_workers"
 
 
 def _malformed_frames(rng: random.Random) -> list:

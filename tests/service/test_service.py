@@ -43,19 +43,29 @@ class Cluster:
         self.procs: list[subprocess.Popen] = []
         self.workers: dict[str, subprocess.Popen] = {}
         self.metrics_ports: dict[str, int] = {}
-        flags = {"heartbeat_interval": 0.1, "liveness": 5, "log_level": "WARNING", **broker_flags}
-        cmd = [PY, "-m", "turbomq.broker", "--front", "tcp://127.0.0.1:*",
-               "--back", "tcp://127.0.0.1:*"]
-        for k, v in flags.items():
+        self.broker_flags = {"heartbeat_interval": 0.1, "liveness": 5, "log_level": "WARNING",
+                             **broker_flags}
+        self.front, self.back = self._start_broker("tcp://127.0.0.1:*", "tcp://127.0.0.1:*")
+
+    def _start_broker(self, front: str, back: str) -> tuple[str, str]:
+        cmd = [PY, "-m", "turbomq.broker", "--front", front, "--back", back]
+        for k, v in self.broker_flags.items():
             cmd += ["--" + k.replace("_", "-"), str(v)]
-        broker = self._spawn(cmd)
-        line = broker.stdout.readline()
+        self.broker = self._spawn(cmd)
+        line = self.broker.stdout.readline()
         if not line:
             self.close()
             raise RuntimeError("the broker did not start")
         endpoints = json.loads(line)
-        self.front, self.back = endpoints["front"], endpoints["back"]
         self.metrics_ports["broker"] = endpoints.get("metrics_port")
+        return endpoints["front"], endpoints["back"]
+
+    def restart_broker(self, down_s: float = 0.0) -> None:
+        """SIGKILL the broker, then start a new one on the same endpoints."""
+        os.killpg(self.broker.pid, signal.SIGKILL)
+        self.broker.wait(5)
+        time.sleep(down_s)
+        self._start_broker(self.front, self.back)
 
     def _spawn(self, cmd: list) -> subprocess.Popen:
         proc = subprocess.Popen(["timeout", "-s", "KILL", str(LIFETIME_S)] + cmd, text=True,

@@ -4,12 +4,17 @@ Redis stopped and restarted mid-run. The fixtures and the reference
 
 from __future__ import annotations
 
-import pytest
+import threading
+import time
 
-from conftest import wait_until
+import pytest
+import zmq
+
 from test_service import (GREEDY, client_for, cluster, expected_session,  # noqa: F401 (fixtures)
-                          expected_tokens)
+                          expected_tokens, read_stream, reference_engine)
+from turbomq.worker import SamplingParams
 from turbomq.clients import Delta, Unavailable
+from turbomq.clients import protocol as P
 from turbomq.worker.service.redis_store import RedisSessionStore
 
 
@@ -59,29 +64,35 @@ def test_redis_down_then_back(cluster, client_for, redis_server):
     acknowledged = [session.send(turns[0]).token_ids, session.send(turns[1]).token_ids]
     assert acknowledged == want[:2]
 
-    redis_server.stop()
-    for _ in range(3):  # a clear, retryable error for each session request
-        with pytest.raises(Unavailable) as e:
-            session.send(turns[2])
-        assert e.value.code == "session_store_unavailable" and e.value.retryable
+    redis_server.kill()
+    # The worker answers a session turn with the retryable
+    # session_store_unavailable (a bare socket sees it) ...
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(svc.front)
+    sock.send(P.pack(P.generate("raw", prompt=turns[2], session_id="chat",
+                                params={"max_tokens": 6, **GREEDY})))
+    assert sock.poll(10_000), "no answer while Redis is down"
+    reply = P.decode_client_reply(sock.recv())
+    sock.close(0)
+    assert reply["kind"] == "error" and reply["code"] == "session_store_unavailable"
+    assert reply["retryable"]
     with pytest.raises(Unavailable) as e:
         client.end_session("other")
     assert e.value.code == "session_store_unavailable"
     # Stateless requests do not need Redis.
     assert client.generate(turns[2], max_tokens=6, **GREEDY).token_ids == expected_tokens([turns[2]], 6)[0]
 
-    redis_server.start()
+    # ... and the client library retries it until its deadline: the turn waits
+    # for Redis instead of failing.
     box = []
-
-    def turn_succeeds() -> bool:
-        try:
-            box.append(session.send(turns[2]).token_ids)
-            return True
-        except Unavailable:
-            return False
-
-    wait_until(turn_succeeds, 15, "the session to work again", interval=0.3)
-    assert box[-1] == want[2]  # both acknowledged turns were still there
+    waiting = threading.Thread(target=lambda: box.append(session.send(turns[2]).token_ids))
+    waiting.start()
+    time.sleep(1.5)
+    assert waiting.is_alive() and not box
+    redis_server.start()
+    waiting.join(30)
+    assert box == [want[2]]  # both acknowledged turns were still there
     assert session.send(turns[3]).token_ids == want[3]
     store = RedisSessionStore(redis_server.url, model_id="demo")
     try:
@@ -90,3 +101,45 @@ def test_redis_down_then_back(cluster, client_for, redis_server):
         store.close()
     assert history is not None and history[-6:] == want[3]
     assert all(svc.workers[w].poll() is None for w in ("w0", "w1"))
+
+
+def test_broker_restart_mid_turn_every_turn_once(cluster, client_for, redis_server):
+    # The broker is SIGKILLed while session turns stream, and a new one starts
+    # on the same ports: every turn completes with the fault-free tokens, no
+    # stream has a gap or repeat, and each turn is in the session once.
+    svc = cluster(redis_server.url)
+    client = client_for(svc.front)
+    svc.start_workers(client, 2)
+    turns = ["The orchard was heavy with fruit.", " A ladder leaned on the oldest tree",
+             " By noon the baskets were full"]
+    names = [f"orchard-{i}" for i in range(6)]
+    want = expected_session("ref-restart", turns, 24)
+    sessions = [client_for(svc.front).session(name, max_tokens=24, **GREEDY)
+                for name in names]
+    for chat in sessions:
+        assert chat.send(turns[0]).token_ids == want[0]
+    streams = [chat.send(turns[1], stream=True) for chat in sessions]
+    firsts = [next(s) for s in streams]  # every turn is running
+    svc.restart_broker(down_s=0.2)
+    for stream, first in zip(streams, firsts):
+        tokens, final = read_stream(_chain(first, stream))
+        assert tokens == want[1] and final.finish_reason in ("length", "stop")
+    for chat in sessions:
+        assert chat.send(turns[2]).token_ids == want[2]
+    store = RedisSessionStore(redis_server.url, model_id="demo")
+    try:
+        histories = [store.get_tokens(name) for name in names]
+    finally:
+        store.close()
+    reference = reference_engine()
+    for turn in turns:
+        reference.generate(prompts=turn, session_id="ref-history",
+                           params=SamplingParams(max_tokens=24, **GREEDY))
+    want_history = reference.session_store.get_tokens("ref-history")
+    reference.end_session("ref-history")
+    assert histories == [want_history] * len(names)  # every turn in each session once
+
+
+def _chain(first, rest):
+    yield first
+    yield from rest

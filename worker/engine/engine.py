@@ -25,8 +25,8 @@ from .output import TextStream
 from .runner import ModelRunner, SampledTokens, StepInputs
 from .sampling_params import SamplingParams, SeedRNG
 from .scheduler import AllocPolicy, Scheduler, SchedulerConfig, Sequence, SeqStatus, StepPlan
-from .session_store import (InMemorySessionStore, SessionModelMismatch, SessionStore,
-                            SessionStoreError)
+from .session_store import (InMemorySessionStore, SessionConflict, SessionHistory,
+                            SessionModelMismatch, SessionStore, SessionStoreError, TurnRecord)
 from .tokenizer import Tokenizer
 from ..model.weights import load_checkpoint
 from ..._native import KVCacheManager, SeqState
@@ -87,6 +87,7 @@ class _Request:
     text: TextStream
     rng: SeedRNG
     callback: Callback
+    turn_id: str = ""  # a session turn's name across re-sends (session_store.TurnRecord)
     cancelled: bool = False
     emitted_tokens: int = 0
     submitted: float = field(default_factory=time.monotonic)
@@ -149,7 +150,7 @@ class Engine:
         self.step_observer: Optional[Callable[[Optional[StepPlan], float], None]] = None
         self.counters = {"requests_finished": 0, "prompt_tokens": 0, "generated_tokens": 0,
                          "reused_tokens": 0, "reprefilled_tokens": 0, "steps": 0,
-                         "overlapped_steps": 0}
+                         "overlapped_steps": 0, "requests_replayed": 0}
 
     @property
     def max_tokens_in_pool(self) -> int:
@@ -159,11 +160,13 @@ class Engine:
     def submit(self, input_ids: Optional[Seq[int]] = None, params: Optional[SamplingParams] = None,
                session_id: Optional[str] = None, callback: Optional[Callback] = None,
                prompt: Optional[str] = None, request_id: Optional[str] = None,
-               resume_tokens: Seq[int] = ()) -> str:
+               resume_tokens: Seq[int] = (), turn_id: Optional[str] = None) -> str:
         """Queue one request; tokens reach `callback` from the step thread.
         `resume_tokens` continues a generation that another worker started:
         those tokens count as already generated and delivered (they are not
-        streamed again) and the seeded sampler skips their draws.
+        streamed again) and the seeded sampler skips their draws. `turn_id`
+        names a session turn however often it is sent (default: request_id):
+        a turn the session has committed already is answered from the store.
         Raises a typed EngineError for bad input; nothing is queued then."""
         params = params or SamplingParams()
         params.validate(self.model_config.vocab_size)
@@ -176,16 +179,14 @@ class Engine:
                 raise errors.InvalidRequest("this model has no tokenizer: send input_ids")
             if not isinstance(prompt, str):
                 raise errors.InvalidRequest("prompt must be a string")
-            input_ids = self.tokenizer.encode(prompt, add_bos=session_id is None or
-                                              not self._session_has_history(session_id))
-        new_prompt = self._check_ids(input_ids)
+        if session_id is not None and not isinstance(session_id, str):
+            raise errors.InvalidRequest("session_id must be a string")
         resume = self._check_ids(resume_tokens, allow_empty=True)
         if len(resume) >= params.max_tokens:
             raise errors.InvalidRequest(
                 f"{len(resume)} resumed tokens already reach max_tokens={params.max_tokens}")
-        if session_id is not None and not isinstance(session_id, str):
-            raise errors.InvalidRequest("session_id must be a string")
         request_id = request_id or uuid.uuid4().hex
+        turn_id = turn_id or request_id
         history: list[int] = []
         if session_id is not None:
             with self._lock:
@@ -193,11 +194,17 @@ class Engine:
                     raise errors.SessionBusy(f"session {session_id!r} already has a request in flight")
                 self._busy_sessions.add(session_id)
             try:
-                history = self._read_history(session_id)
+                record = self._read_session(session_id)
+                if record is not None and self._is_committed(record, turn_id, prompt, input_ids):
+                    return self._replay(record, request_id, session_id, resume, params, callback)
+                history = record.tokens if record is not None else []
+                new_prompt = self._prompt_ids(prompt, input_ids, add_bos=not history)
             except errors.EngineError:
                 with self._lock:
                     self._busy_sessions.discard(session_id)
                 raise
+        else:
+            new_prompt = self._prompt_ids(prompt, input_ids, add_bos=True)
         tokens = history + new_prompt + resume
         limit = min(self.max_model_len, self.max_tokens_in_pool)
         if len(tokens) >= limit:
@@ -215,9 +222,12 @@ class Engine:
             text.push(token)
         req = _Request(seq=seq, text=text,
                        rng=SeedRNG(params.seed).advance(0 if params.is_greedy else len(resume)),
-                       callback=callback or (lambda _e: None), emitted_tokens=len(resume))
+                       callback=callback or (lambda _e: None), turn_id=turn_id,
+                       emitted_tokens=len(resume))
         with self._lock:
             if request_id in self._live:
+                if session_id is not None:
+                    self._busy_sessions.discard(session_id)
                 raise errors.InvalidRequest(f"request id {request_id!r} is already in use")
             self._live[request_id] = req
         self._inbox.put(("submit", req))
@@ -548,9 +558,15 @@ class Engine:
         seq = req.seq
         session = seq.session_id
         if session is not None and error is None and reason != "cancelled":
-            # The turn is durable before its final event reaches anyone.
+            # The turn is durable before its final event reaches anyone. A
+            # turn committed already (sent again after a lost broker; another
+            # worker finished it) stands as stored.
+            turn = TurnRecord(req.turn_id, seq.history_len, seq.prompt_len - seq.history_len, reason)
             try:
-                self.session_store.append_tokens(session, seq.tokens[seq.history_len:])
+                self.session_store.append_turn(session, seq.tokens[seq.history_len:], turn)
+            except SessionConflict as e:
+                error, reason, keep_kv = errors.SessionBusy(f"session {session!r} moved on: {e}"), \
+                    "error", False
             except SessionStoreError as e:
                 error, reason, keep_kv = errors.SessionStoreUnavailable(str(e)), "error", False
         if session is not None:
@@ -590,6 +606,15 @@ class Engine:
             drained = True
             if kind == "submit":
                 self._admit_request(payload)
+            elif kind == "replay":
+                session_id, callback, event = payload
+                with self._lock:
+                    self._busy_sessions.discard(session_id)
+                self.counters["requests_replayed"] += 1
+                try:
+                    callback(event)
+                except Exception:  # a consumer's bug must not stop the batch
+                    log.exception("stream callback failed for %s", event.request_id)
             elif kind == "cancel":
                 req = self._live.get(payload)
                 if req is not None and req.seq.status is not SeqStatus.FINISHED:
@@ -630,19 +655,50 @@ class Engine:
         self.scheduler.add(seq)
 
     # ----------------------------------------------------------- helpers
-    def _session_has_history(self, session_id: str) -> bool:
+    def _read_session(self, session_id: str) -> Optional[SessionHistory]:
         try:
-            return bool(self.session_store.get_tokens(session_id))
-        except SessionStoreError as e:
-            raise errors.SessionStoreUnavailable(str(e)) from e
-
-    def _read_history(self, session_id: str) -> list[int]:
-        try:
-            return self.session_store.get_tokens(session_id) or []
+            return self.session_store.get_session(session_id)
         except SessionModelMismatch as e:
             raise errors.InvalidRequest(str(e)) from e
         except SessionStoreError as e:
             raise errors.SessionStoreUnavailable(str(e)) from e
+
+    def _prompt_ids(self, prompt: Optional[str], input_ids: object, add_bos: bool) -> list[int]:
+        if prompt is not None:
+            input_ids = self.tokenizer.encode(prompt, add_bos=add_bos)
+        return self._check_ids(input_ids)
+
+    def _is_committed(self, record: SessionHistory, turn_id: str, prompt: Optional[str],
+                      input_ids: object) -> bool:
+        """Whether this turn is the session's last committed one: the same id
+        and the same prompt tokens."""
+        turn = record.last_turn
+        if turn is None or turn.turn_id != turn_id:
+            return False
+        ids = self._prompt_ids(prompt, input_ids, add_bos=turn.start == 0)
+        return record.tokens[turn.start:turn.start + turn.prompt_len] == ids
+
+    def _replay(self, record: SessionHistory, request_id: str, session_id: str,
+                resume: list[int], params: SamplingParams, callback: Optional[Callback]) -> str:
+        """Answer a committed turn from the store: its output after what the
+        client already has, as one final event from the step thread."""
+        turn = record.last_turn
+        start = turn.start + turn.prompt_len
+        output = record.tokens[start:]
+        if output[:len(resume)] != resume:
+            with self._lock:
+                self._busy_sessions.discard(session_id)
+            raise errors.InvalidRequest("resume_tokens do not match the committed turn")
+        text = ""
+        if self.tokenizer is not None:
+            whole = self.tokenizer.decode(output, skip_special_tokens=params.skip_special_tokens)
+            text = whole[len(self.tokenizer.decode(resume, skip_special_tokens=params.skip_special_tokens)):]
+        event = StreamEvent(request_id, output[len(resume):], text, finished=True,
+                            finish_reason=turn.finish_reason,
+                            usage=Usage(start, 0, len(output)))
+        self._inbox.put(("replay", (session_id, callback or (lambda _e: None), event)))
+        self._wakeup.set()
+        return request_id
 
     def _check_ids(self, input_ids: object, allow_empty: bool = False) -> list[int]:
         if isinstance(input_ids, (str, bytes)) or not hasattr(input_ids, "__iter__"):

@@ -124,6 +124,8 @@ class WorkerService:
         self.link.heartbeat_interval = config.heartbeat_interval
         self._inflight: dict[str, _InFlight] = {}  # engine request id -> request
         self._engine_ids: dict[tuple[str, int], str] = {}  # (key, attempt) -> engine request id
+        # session -> a dispatch waiting for the session's superseded request to end
+        self._deferred: dict[str, dict] = {}
         self._ids = itertools.count(1)
         self._stopping = False
 
@@ -241,6 +243,9 @@ class WorkerService:
                 req.next_index += n
             return
         self._forget(engine_id, req)
+        deferred = self._deferred.pop(req.session_id, None) if req.session_id else None
+        if deferred is not None:
+            self._on_dispatch(deferred)
         m.request_duration.observe(at - req.arrived)
         reason = event.finish_reason if event.error is None else "error"
         m.requests_finished.labels(reason=reason).inc()
@@ -290,8 +295,10 @@ class WorkerService:
         key, attempt = msg["request_id"], msg["attempt"]
         if (key, attempt) in self._engine_ids:
             return  # a repeated dispatch: the first one is running
-        engine_id = f"{self.link.connects}.{next(self._ids)}.{key}"
         sid = msg.get("session_id")
+        if sid is not None and self._supersede(sid, msg):
+            return
+        engine_id = f"{self.link.connects}.{next(self._ids)}.{key}"
         resume = msg["resume_tokens"]
         req = _InFlight(key=key, attempt=attempt, session_id=sid, next_index=len(resume),
                         arrived=time.monotonic())
@@ -303,12 +310,33 @@ class WorkerService:
             self.engine.submit(input_ids=msg.get("input_ids"), prompt=msg.get("prompt"),
                                params=params, session_id=sid, request_id=engine_id,
                                callback=partial(self._on_engine_event, engine_id),
-                               resume_tokens=resume)
+                               resume_tokens=resume, turn_id=msg.get("turn_id"))
         except (InvalidParams, errors.EngineError) as e:
             self._reject(engine_id, req, e)
         except Exception as e:
             log.exception("dispatch %s failed", key)
             self._reject(engine_id, req, errors.EngineError(f"worker fault: {type(e).__name__}"))
+
+    def _supersede(self, session_id: str, msg: dict) -> bool:
+        """A broker sends one request per session at a time, so a dispatch for
+        a session that still runs here means the running one was given up (its
+        broker was lost, its client moved on): cancel it and run the new one
+        when it has ended. True if the dispatch was deferred."""
+        running = next((eid for eid, r in self._inflight.items() if r.session_id == session_id),
+                       None)
+        if running is None:
+            return False
+        replaced = self._deferred.get(session_id)
+        if replaced is not None:  # an older deferred one is superseded too
+            self.link.send(P.error(replaced["request_id"], Code.SESSION_BUSY,
+                                   f"superseded by a later request for session {session_id!r}",
+                                   True, attempt=replaced["attempt"]))
+        self._deferred[session_id] = msg
+        try:
+            self.engine.cancel(running)  # its final comes as an event; then the new one runs
+        except errors.UnknownRequest:
+            pass  # it finished meanwhile; that final is on its way
+        return True
 
     def _reject(self, engine_id: str, req: _InFlight, e: Exception) -> None:
         self._forget(engine_id, req)
@@ -348,6 +376,7 @@ class WorkerService:
                 pass
         self._inflight.clear()
         self._engine_ids.clear()
+        self._deferred.clear()
 
     def _heartbeat(self) -> None:
         stats, resident = self._snapshot

@@ -4,7 +4,9 @@ Per session two keys share one cluster hash tag, so they live on one shard
 and can change in one atomic step:
 
     {prefix}:session:{<id>}:tokens   string, uint32 little-endian token IDs
-    {prefix}:session:{<id>}:meta     hash: model, length, created, last_use, holder
+    {prefix}:session:{<id>}:meta     hash: model, length, created, last_use, holder,
+                                     and the last turn: turn_id, turn_start,
+                                     turn_prompt, turn_finish
 
 Writes run as Lua scripts: atomic like MULTI/EXEC, and unlike MULTI they can
 refuse a write to a session that belongs to another model before changing
@@ -25,7 +27,8 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from ..engine.session_store import SessionModelMismatch, SessionStoreError
+from ..engine.session_store import (SessionConflict, SessionHistory, SessionModelMismatch,
+                                   SessionStoreError, TurnRecord)
 
 # Called after every store operation: (op, seconds, ok). Metrics plug in here.
 Observer = Callable[[str, float, bool], None]
@@ -40,6 +43,29 @@ local model = redis.call('HGET', KEYS[2], 'model')
 if model and model ~= ARGV[1] then return {0, model} end
 local n = math.floor(redis.call('APPEND', KEYS[1], ARGV[2]) / 4)
 redis.call('HSET', KEYS[2], 'model', ARGV[1], 'length', n, 'last_use', ARGV[3])
+redis.call('HSETNX', KEYS[2], 'created', ARGV[3])
+local ttl = tonumber(ARGV[4])
+if ttl > 0 then
+  redis.call('PEXPIRE', KEYS[1], ttl)
+  redis.call('PEXPIRE', KEYS[2], ttl)
+end
+return {1, n}
+"""
+
+# KEYS: tokens, meta. ARGV: model, packed tokens, now, ttl_ms, turn_id, start,
+# prompt_len, finish_reason. Returns {1, length} (committed), {0, other model},
+# {2, length} (this turn is committed already) or {3, length} (the session
+# does not have `start` tokens: another turn came first).
+_APPEND_TURN = """
+local model = redis.call('HGET', KEYS[2], 'model')
+if model and model ~= ARGV[1] then return {0, model} end
+local n = math.floor(redis.call('STRLEN', KEYS[1]) / 4)
+if redis.call('HGET', KEYS[2], 'turn_id') == ARGV[5] then return {2, n} end
+if n ~= tonumber(ARGV[6]) then return {3, n} end
+n = math.floor(redis.call('APPEND', KEYS[1], ARGV[2]) / 4)
+redis.call('HSET', KEYS[2], 'model', ARGV[1], 'length', n, 'last_use', ARGV[3],
+           'turn_id', ARGV[5], 'turn_start', ARGV[6], 'turn_prompt', ARGV[7],
+           'turn_finish', ARGV[8])
 redis.call('HSETNX', KEYS[2], 'created', ARGV[3])
 local ttl = tonumber(ARGV[4])
 if ttl > 0 then
@@ -139,6 +165,7 @@ class RedisSessionStore:
             url, socket_timeout=timeout, socket_connect_timeout=timeout,
             retry=Retry(NoBackoff(), 0), retry_on_timeout=False)
         self._append = self._redis.register_script(_APPEND)
+        self._append_turn = self._redis.register_script(_APPEND_TURN)
         self._holder = self._redis.register_script(_HOLDER)
 
     # ------------------------------------------------------------- keys
@@ -175,6 +202,40 @@ class RedisSessionStore:
         if not ok:
             self._check_model(session_id, value)
         return int(value)
+
+    def get_session(self, session_id: str) -> Optional[SessionHistory]:
+        tokens_key, meta_key = self._keys(session_id)
+
+        def read():
+            pipe = self._redis.pipeline(transaction=True)
+            pipe.get(tokens_key)
+            pipe.hmget(meta_key, "model", "turn_id", "turn_start", "turn_prompt", "turn_finish")
+            return pipe.execute()
+
+        data, (model, *turn) = self._call("get_tokens", session_id, read)
+        if data is None and model is None:
+            return None
+        self._check_model(session_id, model)
+        try:
+            tokens = unpack_tokens(data or b"")
+            last = (None if turn[0] is None else
+                    TurnRecord(turn[0].decode(), int(turn[1]), int(turn[2]), turn[3].decode()))
+        except (ValueError, TypeError, AttributeError) as e:
+            raise SessionStoreError(f"session {session_id!r} in {self.url} is corrupt: {e}") from None
+        return SessionHistory(tokens, last)
+
+    def append_turn(self, session_id: str, tokens: list[int], turn: TurnRecord) -> bool:
+        keys = self._keys(session_id)
+        args = [self.model_id, pack_tokens(list(tokens)), repr(time.time()), self.ttl_ms,
+                turn.turn_id, turn.start, turn.prompt_len, turn.finish_reason]
+        status, value = self._call("append_tokens", session_id,
+                                   lambda: self._append_turn(keys, args))
+        if status == 0:
+            self._check_model(session_id, value)
+        if status == 3:
+            raise SessionConflict(f"session {session_id!r} has {int(value)} tokens, not the "
+                                  f"{turn.start} this turn was computed on")
+        return status == 1
 
     def drop(self, session_id: str) -> bool:
         keys = self._keys(session_id)

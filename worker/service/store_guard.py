@@ -12,7 +12,7 @@ import time
 from typing import Optional
 
 from .redis_store import RedisSessionStore
-from ..engine.session_store import SessionStoreError
+from ..engine.session_store import SessionHistory, SessionStoreError, TurnRecord
 
 
 class FailFastStore:
@@ -36,7 +36,8 @@ class FailFastStore:
         try:
             result = fn(*args)
         except SessionStoreError as e:
-            # A session of another model is the caller's problem, not an outage.
+            # A session of another model, or a conflict, is the caller's
+            # problem, not an outage.
             if type(e) is SessionStoreError:
                 self._failed_at = time.monotonic()
             raise
@@ -46,8 +47,14 @@ class FailFastStore:
     def get_tokens(self, session_id: str) -> Optional[list[int]]:
         return self._call(self.store.get_tokens, session_id)
 
+    def get_session(self, session_id: str) -> Optional[SessionHistory]:
+        return self._call(self.store.get_session, session_id)
+
     def append_tokens(self, session_id: str, tokens: list[int]) -> int:
         return self._call(self.store.append_tokens, session_id, tokens)
+
+    def append_turn(self, session_id: str, tokens: list[int], turn: TurnRecord) -> bool:
+        return self._call(self.store.append_turn, session_id, tokens, turn)
 
     def drop(self, session_id: str) -> bool:
         return self._call(self.store.drop, session_id)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import random
+import signal
 import sys
 import time
 
@@ -273,6 +275,40 @@ def test_broker_restart_resumes_streams_without_gap_or_duplicate(service, client
         assert events[-1].finish_reason == "length" and events[-1].usage.completion_tokens == 40
     stats = clients[0].stats()  # the new broker's
     assert stats["requests_resumed"] >= 3
+
+
+def test_stalled_worker_never_delivers_twice_or_out_of_order(service, client_for):
+    # SIGSTOP the worker running a stream past its liveness, SIGCONT it after
+    # the broker moved the stream: whatever the old attempt sends then is
+    # dropped, and the stream stays contiguous.
+    svc = service()
+    svc.add_worker("stalls", slots=4, delay=0.02)
+    c = client_for(svc, timeout=20.0)
+    svc.wait_workers(c, 1)
+    svc.add_worker("steady", slots=1, delay=0.02)  # fewer free slots: picked second
+    svc.wait_workers(c, 2)
+    stream = c.generate(input_ids=[5, 6, 7], max_tokens=80, stream=True)
+    events = [next(stream) for _ in range(3)]
+    pid = svc.workers["stalls"].pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        time.sleep(1.2)  # past heartbeat_interval * liveness (0.5 s): re-dispatched
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    events += list(stream)
+    deltas = [e for e in events if isinstance(e, Delta)]
+    assert [d.seq for d in deltas] == list(range(len(deltas)))
+    assert [t for d in deltas for t in d.token_ids] == expected_echo([5, 6, 7], 80)
+    assert events[-1].usage.completion_tokens == 80
+    stats = c.stats()
+    assert stats["redispatches_resumed"] >= 1
+    # It was dropped, came back (its late deltas answered with reconnect, not
+    # forwarded) and registered again.
+    assert stats["workers_lost"] == 1
+    wait_for = time.monotonic() + 5
+    while c.stats()["workers_registered"] < 3 and time.monotonic() < wait_for:
+        time.sleep(0.05)
+    assert c.stats()["workers_registered"] == 3
 
 
 def raw_replies(front: str, frames: list, n: int, within: float = 5.0) -> list:

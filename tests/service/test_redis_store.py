@@ -11,7 +11,8 @@ import redis
 
 from turbomq.worker.service.redis_store import (RedisSessionStore, SessionModelMismatch,
                                         pack_tokens, unpack_tokens)
-from turbomq.worker.engine.session_store import SessionStoreError
+from turbomq.worker.engine.session_store import (SessionConflict, SessionHistory, SessionStoreError,
+                                                 TurnRecord)
 
 MODEL = "tiny-llama"
 
@@ -85,6 +86,22 @@ def test_concurrent_appends_are_atomic(redis_server):
     assert stores[0].metadata("shared").length == len(tokens)
     for s in stores:
         s.close()
+
+
+def test_turns_commit_once_onto_the_history_they_read(store):
+    assert store.append_turn("t", [1, 2, 3], TurnRecord("a", 0, 2, "stop")) is True
+    assert store.get_session("t") == SessionHistory([1, 2, 3], TurnRecord("a", 0, 2, "stop"))
+    # The same turn again (sent twice, or run by two workers): nothing appended.
+    assert store.append_turn("t", [1, 2, 9], TurnRecord("a", 0, 2, "length")) is False
+    # Another turn computed on the old history: the session moved on.
+    with pytest.raises(SessionConflict):
+        store.append_turn("t", [4], TurnRecord("b", 0, 1, "stop"))
+    assert store.get_tokens("t") == [1, 2, 3]
+    # The same id on the new history is a new turn.
+    assert store.append_turn("t", [4, 5], TurnRecord("a", 3, 1, "length")) is True
+    assert store.get_session("t") == SessionHistory([1, 2, 3, 4, 5], TurnRecord("a", 3, 1, "length"))
+    assert store.metadata("t").length == 5
+    assert store.get_session("unknown") is None
 
 
 def test_drop(store):

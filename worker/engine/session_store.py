@@ -53,8 +53,9 @@ class SessionStore(Protocol):
 
     def append_turn(self, session_id: str, tokens: list[int], turn: TurnRecord) -> bool:
         """Commit a turn (`tokens`: its prompt and output) if the session still
-        has `turn.start` tokens; False if this turn is committed already.
-        Raises SessionConflict if the session grew otherwise."""
+        has `turn.start` tokens; False if this turn (the same id on the same
+        history) is committed already. Raises SessionConflict if the session
+        grew otherwise."""
 
     def drop(self, session_id: str) -> bool:
         """Forget the session; True if it existed."""
@@ -88,7 +89,7 @@ class InMemorySessionStore:
         with self._lock:
             stored = self._tokens.get(session_id, [])
             last = self._turns.get(session_id)
-            if last is not None and last.turn_id == turn.turn_id:
+            if last is not None and (last.turn_id, last.start) == (turn.turn_id, turn.start):
                 return False
             if len(stored) != turn.start:
                 raise SessionConflict(f"session {session_id!r} has {len(stored)} tokens, "

@@ -54,13 +54,15 @@ return {1, n}
 
 # KEYS: tokens, meta. ARGV: model, packed tokens, now, ttl_ms, turn_id, start,
 # prompt_len, finish_reason. Returns {1, length} (committed), {0, other model},
-# {2, length} (this turn is committed already) or {3, length} (the session
+# {2, length} (this turn, the same id on the same start, is committed
+# already) or {3, length} (the session
 # does not have `start` tokens: another turn came first).
 _APPEND_TURN = """
 local model = redis.call('HGET', KEYS[2], 'model')
 if model and model ~= ARGV[1] then return {0, model} end
 local n = math.floor(redis.call('STRLEN', KEYS[1]) / 4)
-if redis.call('HGET', KEYS[2], 'turn_id') == ARGV[5] then return {2, n} end
+local last = redis.call('HMGET', KEYS[2], 'turn_id', 'turn_start')
+if last[1] == ARGV[5] and last[2] == ARGV[6] then return {2, n} end
 if n ~= tonumber(ARGV[6]) then return {3, n} end
 n = math.floor(redis.call('APPEND', KEYS[1], ARGV[2]) / 4)
 redis.call('HSET', KEYS[2], 'model', ARGV[1], 'length', n, 'last_use', ARGV[3],

@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 DEMO_MODEL ?= .demo-model
 STAMP := $(VENV)/.turbomq-installed
 
-.PHONY: serve test setup sysdeps native cuda-check clean FORCE
+.PHONY: serve test chaos setup sysdeps native cuda-check clean FORCE
 
 # Debian packages: libzmq (headers) for the broker's native data plane; a real
 # redis-server, prometheus and docker-compose (to validate the compose file)
@@ -68,6 +68,12 @@ cuda-check:
 test: setup sysdeps cuda-check
 	# one intra-op thread per process: the suite runs several processes on 2 cores
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -rs -p no:cacheprovider
+
+# The long chaos run (about 10 minutes): 1,000 sessions x 4 turns through a
+# broker pair, CPU workers and Redis under random faults of every kind; writes
+# docs/benchmarks/chaos.md. CHAOS_ARGS=--sessions 100 --minutes 1 for a short one.
+chaos: setup sysdeps
+	OMP_NUM_THREADS=1 $(PY) benchmarks/chaos.py $(CHAOS_ARGS)
 
 clean:
 	rm -rf build $(VENV) $(DEMO_MODEL)

@@ -120,6 +120,10 @@ WORKER_METRICS: tuple[MetricSpec, ...] = (
        buckets=BATCH_TOKEN_BUCKETS),
     _w("step_sequences", "turbomq_step_batch_sequences", HISTOGRAM, "sequences",
        "Sequences computed per step.", buckets=BATCH_SEQ_BUCKETS),
+    # broker links
+    _w("broker_reconnects", "turbomq_worker_broker_reconnects_total", COUNTER, "connections",
+       "Times the worker gave up on a broker (silent past its liveness, or told to "
+       "reconnect: it restarted) and registered again, abandoning that broker's requests."),
     # session store
     _w("store_duration", "turbomq_session_store_duration_seconds", HISTOGRAM, "seconds",
        "Session store (Redis) call latency, failed calls included.",

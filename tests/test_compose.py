@@ -157,11 +157,22 @@ def test_redis_is_durable_and_checked():
 
 def test_turbomq_services_have_healthchecks_and_order():
     services = resolved()
-    for name in ("redis", "broker", "worker", "worker-gpu", "prometheus", "grafana"):
+    for name in ("redis", "broker", "broker-b", "worker", "worker-gpu", "prometheus", "grafana"):
         assert services[name].get("healthcheck", {}).get("test"), f"{name} has no healthcheck"
     for name in ("worker", "worker-gpu"):
         depends = services[name]["depends_on"]
-        assert depends["broker"]["condition"] == depends["redis"]["condition"] == "service_healthy"
+        assert {depends[d]["condition"] for d in ("broker", "broker-b", "redis")} == {"service_healthy"}
+
+
+def test_two_brokers_and_workers_register_with_both():
+    services = resolved()
+    commands = turbomq_commands(services)
+    assert commands["broker"] == commands["broker-b"]  # the same broker, twice
+    published = {name: [str(p.get("published")) for p in services[name]["ports"]]
+                 for name in ("broker", "broker-b")}
+    assert published == {"broker": ["5555"], "broker-b": ["5557"]}
+    for name in ("worker", "worker-gpu"):
+        assert flag(commands[name], "--broker") == "tcp://broker:5556,tcp://broker-b:5556"
 
 
 # ------------------------------------------------------------ healthchecks

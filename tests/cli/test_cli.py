@@ -63,6 +63,18 @@ def test_make_serve_streams_text(tmp_path):
     assert len(out.stdout.strip()) > 20
 
 
+def test_up_with_a_broker_pair(tmp_path):
+    # --brokers 2: two brokers, each worker registers with both, the smoke
+    # client is given both fronts.
+    out = run(TURBOMQ + ["up", "--model", demo_model_dir(), "--workers", "1", "--brokers", "2",
+                         "--smoke"])
+    assert out.returncode == 0, out.stderr
+    fronts = out.stdout.split("Clients connect to ", 1)[1].splitlines()[0].split(", ")
+    assert len(fronts) == 2 and all(f.startswith("tcp://127.0.0.1:") for f in fronts)
+    assert out.stdout.count("  broker   front ") == 2
+    assert "[length;" in out.stdout or "[stop;" in out.stdout
+
+
 def test_generate_over_two_ranks_gives_the_same_tokens():
     args = ["generate", "--model", demo_model_dir(), "--input-ids", "0,5,6,7", "--max-tokens", "9",
             "--temperature", "0", "--json"]

@@ -45,27 +45,46 @@ class Cluster:
         self.metrics_ports: dict[str, int] = {}
         self.broker_flags = {"heartbeat_interval": 0.1, "liveness": 5, "log_level": "WARNING",
                              **broker_flags}
-        self.front, self.back = self._start_broker("tcp://127.0.0.1:*", "tcp://127.0.0.1:*")
+        self.brokers: list[dict] = []  # {"proc", "front", "back"} per broker
+        self.front, self.back = self.add_broker()
 
-    def _start_broker(self, front: str, back: str) -> tuple[str, str]:
+    def add_broker(self, front: str = "tcp://127.0.0.1:*", back: str = "tcp://127.0.0.1:*",
+                   index: Optional[int] = None) -> tuple[str, str]:
+        """Start a broker (another one of an active-active set, or broker
+        `index` again on its endpoints); returns its (front, back)."""
         cmd = [PY, "-m", "turbomq.broker", "--front", front, "--back", back]
         for k, v in self.broker_flags.items():
             cmd += ["--" + k.replace("_", "-"), str(v)]
-        self.broker = self._spawn(cmd)
-        line = self.broker.stdout.readline()
+        proc = self._spawn(cmd)
+        line = proc.stdout.readline()
         if not line:
             self.close()
             raise RuntimeError("the broker did not start")
         endpoints = json.loads(line)
-        self.metrics_ports["broker"] = endpoints.get("metrics_port")
+        entry = {"proc": proc, "front": endpoints["front"], "back": endpoints["back"]}
+        if index is None:
+            self.brokers.append(entry)
+        else:
+            self.brokers[index] = entry
+        if len(self.brokers) == 1:
+            self.metrics_ports["broker"] = endpoints.get("metrics_port")
         return endpoints["front"], endpoints["back"]
 
-    def restart_broker(self, down_s: float = 0.0) -> None:
-        """SIGKILL the broker, then start a new one on the same endpoints."""
-        os.killpg(self.broker.pid, signal.SIGKILL)
-        self.broker.wait(5)
+    @property
+    def backs(self) -> str:
+        return ",".join(b["back"] for b in self.brokers)
+
+    def kill_broker(self, index: int = 0) -> None:
+        proc = self.brokers[index]["proc"]
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(5)
+
+    def restart_broker(self, index: int = 0, down_s: float = 0.0) -> None:
+        """SIGKILL a broker, then start a new one on the same endpoints."""
+        self.kill_broker(index)
         time.sleep(down_s)
-        self._start_broker(self.front, self.back)
+        b = self.brokers[index]
+        self.add_broker(b["front"], b["back"], index=index)
 
     def _spawn(self, cmd: list) -> subprocess.Popen:
         proc = subprocess.Popen(["timeout", "-s", "KILL", str(LIFETIME_S)] + cmd, text=True,
@@ -76,7 +95,7 @@ class Cluster:
     def start_worker(self, worker_id: str, broker: Optional[str] = None, slots: int = 8,
                      extra: tuple = ()) -> subprocess.Popen:
         cmd = [PY, "-m", "turbomq.worker.cli", "worker", "--model", demo_model_dir(),
-               "--broker", broker or self.back, "--worker-id", worker_id,
+               "--broker", broker or self.backs, "--worker-id", worker_id,
                "--max-batch-size", str(slots), "--log-level", "WARNING", *extra]
         if self.redis_url:
             cmd += ["--redis-url", self.redis_url]

@@ -10,6 +10,8 @@ import time
 import pytest
 import zmq
 
+from conftest import wait_until
+
 from test_service import (GREEDY, client_for, cluster, expected_session,  # noqa: F401 (fixtures)
                           expected_tokens, read_stream, reference_engine)
 from turbomq.worker import SamplingParams
@@ -143,3 +145,35 @@ def test_broker_restart_mid_turn_every_turn_once(cluster, client_for, redis_serv
 def _chain(first, rest):
     yield first
     yield from rest
+
+
+def test_broker_pair_loses_one_broker_and_gets_it_back(cluster, client_for, redis_server):
+    # Two brokers, active-active: every worker registers with both, the client
+    # knows both fronts. SIGKILL the one carrying the turns: every turn ends
+    # complete through the other. The killed one restarts on its ports and
+    # rejoins without a restart of anything else.
+    svc = cluster(redis_server.url)
+    front_b, _ = svc.add_broker()
+    probe_a, probe_b = client_for(svc.front), client_for(front_b)
+    svc.start_workers(probe_a, 2)
+    wait_until(lambda: probe_b.health()["workers"] == 2, 30, "2 workers on broker B")
+    turns = ["The river bent around the mill.", " Its wheel turned all night"]
+    want = expected_session("ref-pair", turns, 20)
+    names = [f"mill-{i}" for i in range(6)]
+    chats = [client_for([svc.front, front_b]).session(name, max_tokens=20, **GREEDY)
+             for name in names]
+    for chat in chats:
+        assert chat.send(turns[0]).token_ids == want[0]
+    streams = [chat.send(turns[1], stream=True) for chat in chats]
+    firsts = [next(s) for s in streams]
+    svc.kill_broker(0)
+    for stream, first in zip(streams, firsts):
+        tokens, final = read_stream(_chain(first, stream))
+        assert tokens == want[1]
+    assert all(chat.client.watch.failovers >= 1 for chat in chats)
+    assert probe_b.stats()["requests_resumed"] >= len(names)
+    # Broker A comes back on its ports; the workers register with it again.
+    svc.add_broker(svc.brokers[0]["front"], svc.brokers[0]["back"], index=0)
+    wait_until(lambda: probe_a.health()["workers"] == 2, 30, "the workers back on broker A")
+    assert client_for(svc.front).generate(turns[0], max_tokens=20, **GREEDY).token_ids == \
+        expected_tokens([turns[0]], 20)[0]

@@ -23,7 +23,7 @@ def _end(client: Client, session_id: str, started: bool) -> None:
 def run_chat(broker: str, max_tokens: int = 64, temperature: float = 0.8,
              seed: Optional[int] = None, timeout: float = 120.0,
              stdin: TextIO = sys.stdin, stdout: TextIO = sys.stdout) -> int:
-    with Client(broker, timeout=timeout) as client:
+    with Client(broker.split(","), timeout=timeout) as client:
         session_id, started = uuid.uuid4().hex, False
         print("turbomq chat: /reset starts over, /quit leaves", file=stdout, flush=True)
         while True:

@@ -77,7 +77,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         value = getattr(args, flag)
         if value is not None:
             worker_args += ["--" + flag.replace("_", "-"), str(value)]
-    config = UpConfig(model=args.model, workers=args.workers, front=front,
+    config = UpConfig(model=args.model, workers=args.workers, brokers=args.brokers, front=front,
                       redis_url=args.redis_url or None, device=args.device,
                       worker_args=worker_args, log_level=args.log_level)
     return run_up(config, smoke_test=args.smoke)
@@ -179,7 +179,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("worker", help="serve a model to a broker (one engine per process)")
     _add_engine_args(p)
-    p.add_argument("--broker", default="tcp://127.0.0.1:5556", help="the broker's back endpoint")
+    p.add_argument("--broker", default="tcp://127.0.0.1:5556",
+                   help="the broker's back endpoint; several (an active-active pair): "
+                        "comma-separated, the worker registers with each")
     p.add_argument("--worker-id", default=None, help="default: worker-<random>")
     p.add_argument("--model-id", default=None,
                    help="the model's name for the broker and Redis (default: the model dir's name)")
@@ -196,6 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("up", help="broker + K workers (+ a local redis-server) on this machine")
     p.add_argument("--model", required=True, help="model directory")
     p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--brokers", type=int, default=1,
+                   help="brokers run active-active; every worker registers with each, clients "
+                        "fail over between their fronts (broker i on the front port + i)")
     p.add_argument("--front", default=None,
                    help="client endpoint (default tcp://127.0.0.1:5555; with --smoke a free port)")
     p.add_argument("--redis-url", default=os.environ.get("REDIS_URL"),
@@ -212,7 +217,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_up)
 
     p = sub.add_parser("chat", help="chat with the service in the terminal (one session, streamed)")
-    p.add_argument("--broker", default="tcp://127.0.0.1:5555", help="the broker's front endpoint")
+    p.add_argument("--broker", default="tcp://127.0.0.1:5555",
+                   help="the broker's front endpoint; several: comma-separated, tried in turn")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--seed", type=int, default=None)

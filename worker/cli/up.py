@@ -30,6 +30,9 @@ START_TIMEOUT_S = 120.0  # model load included
 class UpConfig:
     model: str
     workers: int = 2
+    # Brokers run active-active: every worker registers with each, clients
+    # fail over between their fronts (broker i's front: the port of `front` + i).
+    brokers: int = 1
     front: str = "tcp://127.0.0.1:5555"
     # None: ipc (a unix socket in a private temp folder) where libzmq has it, else
     # tcp://127.0.0.1:*. Broker and workers share the machine; over ipc the hop
@@ -44,11 +47,13 @@ class UpConfig:
 
 @dataclass
 class Running:
-    front: str
-    back: str
+    brokers: list  # [{"front", "back", "metrics_port"}], one per broker
     redis_url: Optional[str]
-    broker_metrics_port: Optional[int]
     workers: list  # [{"worker_id", "metrics_port"}]
+
+    @property
+    def fronts(self) -> list[str]:
+        return [b["front"] for b in self.brokers]
 
 
 def _free_port() -> int:
@@ -88,16 +93,20 @@ class LocalService:
     def start(self) -> Running:
         c = self.config
         redis_url = self._redis()
-        cmd = [sys.executable, "-m", "turbomq.broker", "--front", c.front, "--back", self._back(),
-               "--log-level", c.log_level]
-        if c.metrics:
-            cmd += ["--metrics-port", "0"]
-        broker = _read_json_line(self._spawn("broker", cmd), "the broker", 30)
+        brokers = []
+        for i in range(c.brokers):
+            cmd = [sys.executable, "-m", "turbomq.broker", "--front", _nth_endpoint(c.front, i),
+                   "--back", self._back(i), "--log-level", c.log_level]
+            if c.metrics:
+                cmd += ["--metrics-port", "0"]
+            name = "broker" if c.brokers == 1 else f"broker-{i}"
+            brokers.append(_read_json_line(self._spawn(name, cmd), name, 30))
+        backs = ",".join(b["back"] for b in brokers)
         workers = []
         for i in range(c.workers):
             device = f"cuda:{i}" if c.device == "cuda" else c.device
             cmd = [sys.executable, "-m", "turbomq.worker.cli", "worker", "--model", c.model,
-                   "--device", device, "--broker", broker["back"], "--worker-id", f"worker-{i}",
+                   "--device", device, "--broker", backs, "--worker-id", f"worker-{i}",
                    "--log-level", c.log_level, *c.worker_args]
             if redis_url:
                 cmd += ["--redis-url", redis_url]
@@ -107,18 +116,18 @@ class LocalService:
         for name, proc in self.procs:
             if name.startswith("worker-"):
                 workers.append(_read_json_line(proc, name, START_TIMEOUT_S))
-        return Running(broker["front"], broker["back"], redis_url, broker.get("metrics_port"),
-                       workers)
+        return Running(brokers, redis_url, workers)
 
-    def _back(self) -> str:
+    def _back(self, i: int) -> str:
         if self.config.back is not None:
-            return self.config.back
+            return _nth_endpoint(self.config.back, i)
         import zmq  # pyzmq comes with the broker
 
         if not zmq.has("ipc"):
             return "tcp://127.0.0.1:*"
-        self._ipc_dir = tempfile.mkdtemp(prefix="turbomq-")
-        return f"ipc://{self._ipc_dir}/back"
+        if self._ipc_dir is None:
+            self._ipc_dir = tempfile.mkdtemp(prefix="turbomq-")
+        return f"ipc://{self._ipc_dir}/back-{i}"
 
     def _redis(self) -> Optional[str]:
         if self.config.redis_url:
@@ -152,10 +161,12 @@ class LocalService:
         return None
 
     def stop(self) -> None:
-        # Workers first (they talk to both others), then the broker, then Redis.
-        rank = {"broker": 1, "redis": 2}
+        # Workers first (they talk to both others), then the brokers, then Redis.
+        def rank(name: str) -> int:
+            return 1 if name.startswith("broker") else 2 if name == "redis" else 0
+
         for step in (0, 1, 2):
-            group = [proc for name, proc in self.procs if rank.get(name, 0) == step]
+            group = [proc for name, proc in self.procs if rank(name) == step]
             for proc in group:
                 if proc.poll() is None:
                     proc.terminate()
@@ -173,11 +184,25 @@ class LocalService:
                 shutil.rmtree(folder, ignore_errors=True)
 
 
+def _nth_endpoint(endpoint: str, i: int) -> str:
+    """Broker i's endpoint: tcp://host:PORT -> tcp://host:PORT+i (a `*` port
+    stays free for each); other transports get a -i suffix."""
+    if i == 0:
+        return endpoint
+    head, sep, port = endpoint.rpartition(":")
+    if endpoint.startswith("tcp://") and sep and port.isdigit():
+        return f"{head}:{int(port) + i}"
+    if endpoint.startswith("tcp://"):
+        return endpoint
+    return f"{endpoint}-{i}"
+
+
 def _describe(running: Running) -> str:
-    lines = [f"turbomq is up. Clients connect to {running.front}",
-             f"  broker   back {running.back}"
-             + (f", metrics http://127.0.0.1:{running.broker_metrics_port}/metrics"
-                if running.broker_metrics_port else "")]
+    lines = [f"turbomq is up. Clients connect to {', '.join(running.fronts)}"]
+    for b in running.brokers:
+        port = b.get("metrics_port")
+        lines.append(f"  broker   front {b['front']}, back {b['back']}"
+                     + (f", metrics http://127.0.0.1:{port}/metrics" if port else ""))
     lines.append(f"  redis    {running.redis_url}" if running.redis_url
                  else "  redis    none: sessions are per worker (in-process stores)")
     for w in running.workers:
@@ -187,7 +212,7 @@ def _describe(running: Running) -> str:
     return "\n".join(lines)
 
 
-def smoke(front: str, workers: int) -> str:
+def smoke(front, workers: int) -> str:
     """Stream one generation through the real client; returns its text."""
     from turbomq.clients import Client, Final
 
@@ -221,7 +246,7 @@ def run_up(config: UpConfig, smoke_test: bool = False) -> int:
         running = service.start()
         print(_describe(running), flush=True)
         if smoke_test:
-            smoke(running.front, config.workers)
+            smoke(running.fronts, config.workers)
             return 0
         print("Ctrl-C stops everything.", flush=True)
         while not stopping:

@@ -28,9 +28,10 @@ log = logging.getLogger("turbomq.worker.link")
 
 class BrokerLink:
     def __init__(self, context: zmq.Context, endpoint: str, register: Callable[[], dict],
-                 limits: P.Limits = P.DEFAULT_LIMITS):
+                 limits: P.Limits = P.DEFAULT_LIMITS, index: int = 0):
         self.ctx = context
         self.endpoint = endpoint
+        self.index = index  # its place among the worker's brokers
         self._register = register  # builds the register message (ports may change)
         self.limits = limits
         self.sock: Optional[zmq.Socket] = None

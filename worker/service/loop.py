@@ -1,8 +1,10 @@
-"""The worker process: one engine behind a DEALER socket to the broker.
+"""The worker process: one engine behind a DEALER socket to each broker.
 
 Two threads. The engine's step thread runs the model and calls back with
-tokens; the socket thread (the caller of `run`) owns the ZeroMQ socket, since
-ZeroMQ sockets are not thread-safe. Engine events cross over through a queue
+tokens; the socket thread (the caller of `run`) owns the ZeroMQ sockets, since
+ZeroMQ sockets are not thread-safe. With several brokers (an active-active
+pair) the worker registers with every one; each request's tokens go back to
+the broker that dispatched it. Engine events cross over through a queue
 plus a wake-up byte on an inproc PAIR socket, so the socket thread sleeps in
 one poll over the broker and the engine. docs/service.md describes the
 process; docs/protocol.md the worker's contract it implements.
@@ -45,7 +47,7 @@ def _default_worker_id() -> str:
 @dataclass
 class WorkerConfig:
     engine: EngineConfig  # model path, device and the engine's options
-    broker: str = "tcp://127.0.0.1:5556"  # the broker's back endpoint
+    broker: str = "tcp://127.0.0.1:5556"  # the broker's back endpoint; several: comma-separated
     worker_id: str = field(default_factory=_default_worker_id)
     model_id: Optional[str] = None  # names the model to the broker and in Redis; default: model dir name
     redis_url: Optional[str] = None  # None: an in-process store, not shared with other workers
@@ -62,12 +64,19 @@ class WorkerConfig:
             raise ValueError("worker_id must be 1..128 characters")
         if not 0 < len(self.model_id) <= 4 * P.DEFAULT_LIMITS.max_id_chars:
             raise ValueError("model_id must be 1..512 characters")
+        if not self.brokers:
+            raise ValueError("give at least one broker endpoint")
+
+    @property
+    def brokers(self) -> list[str]:
+        return [b.strip() for b in self.broker.split(",") if b.strip()]
 
 
 @dataclass(eq=False)
 class _InFlight:
     """A dispatch the engine is running, as the socket thread sees it."""
 
+    link: BrokerLink  # the broker that dispatched it
     key: str  # the broker's request id
     attempt: int
     session_id: Optional[str]
@@ -120,12 +129,18 @@ class WorkerService:
         self._wake_tx.connect(wake_addr)
         self._wake_pending = False
 
-        self.link = BrokerLink(self.ctx, config.broker, self._register_msg)
-        self.link.heartbeat_interval = config.heartbeat_interval
+        self.links = [BrokerLink(self.ctx, endpoint, self._register_msg, index=i)
+                      for i, endpoint in enumerate(config.brokers)]
+        for link in self.links:
+            link.heartbeat_interval = config.heartbeat_interval
         self._inflight: dict[str, _InFlight] = {}  # engine request id -> request
-        self._engine_ids: dict[tuple[str, int], str] = {}  # (key, attempt) -> engine request id
-        # session -> a dispatch waiting for the session's superseded request to end
-        self._deferred: dict[str, dict] = {}
+        # (link, key, attempt) -> engine request id: keys are each broker's own
+        self._engine_ids: dict[tuple[int, str, int], str] = {}
+        # session -> (link, dispatch) waiting for the session's superseded request to end
+        self._deferred: dict[str, tuple[BrokerLink, dict]] = {}
+        # engine request id -> session of a request abandoned with its broker
+        # link, cancelled but not yet ended in the engine
+        self._abandoned: dict[str, str] = {}
         self._ids = itertools.count(1)
         self._stopping = False
 
@@ -144,32 +159,37 @@ class WorkerService:
         self.engine.start()
         poller = zmq.Poller()
         poller.register(self._wake_rx, zmq.POLLIN)
-        poller.register(self.link.connect(), zmq.POLLIN)
+        for link in self.links:
+            poller.register(link.connect(), zmq.POLLIN)
         try:
             while not self._stopping:
                 # Bounded so a stop() from elsewhere is seen promptly.
-                wait = min(self.link.wait_s(time.monotonic()), 0.25)
+                now = time.monotonic()
+                wait = min([link.wait_s(now) for link in self.links] + [0.25])
                 ready = dict(poller.poll(wait * 1000.0))
                 if self._wake_rx in ready:
                     self._drain_events()
-                if self.link.sock in ready:
-                    for msg in self.link.receive():
-                        self._handle(msg)
+                for link in self.links:
+                    if link.sock in ready:
+                        for msg in link.receive():
+                            self._handle(link, msg)
                 now = time.monotonic()
-                if self.link.lost(now):
-                    log.warning("no word from the broker at %s: reconnecting", self.config.broker)
-                    self._abandon_all()
-                    poller.unregister(self.link.sock)
-                    poller.register(self.link.connect(), zmq.POLLIN)
-                    continue
-                if self.link.beat_due(now):
-                    self._heartbeat()
+                for link in self.links:
+                    if link.lost(now):
+                        log.warning("no word from the broker at %s: reconnecting", link.endpoint)
+                        self.metrics.broker_reconnects.inc()
+                        self._abandon(link)
+                        poller.unregister(link.sock)
+                        poller.register(link.connect(), zmq.POLLIN)
+                    elif link.beat_due(now):
+                        self._heartbeat(link)
         finally:
             self.close()
 
     def close(self) -> None:
         self.engine.close()
-        self.link.close()
+        for link in self.links:
+            link.close()
         self._wake_rx.close(0)
         self._wake_tx.close(0)
         if self.metrics_server is not None:
@@ -225,6 +245,10 @@ class WorkerService:
     def _on_event(self, engine_id: str, event: StreamEvent, at: float) -> None:
         req = self._inflight.get(engine_id)
         if req is None:  # abandoned at a reconnect: the broker moved it
+            sid = self._abandoned.pop(engine_id, None) if event.finished else None
+            deferred = self._deferred.pop(sid, None) if sid is not None else None
+            if deferred is not None:
+                self._on_dispatch(*deferred)
             return
         m = self.metrics
         n = len(event.token_ids)
@@ -238,23 +262,23 @@ class WorkerService:
             req.last_token_at = at
         if not event.finished:
             if n or event.text:
-                self.link.send(P.worker_delta(req.key, req.attempt, req.next_index,
-                                              event.token_ids, event.text))
+                req.link.send(P.worker_delta(req.key, req.attempt, req.next_index,
+                                             event.token_ids, event.text))
                 req.next_index += n
             return
         self._forget(engine_id, req)
         deferred = self._deferred.pop(req.session_id, None) if req.session_id else None
         if deferred is not None:
-            self._on_dispatch(deferred)
+            self._on_dispatch(*deferred)
         m.request_duration.observe(at - req.arrived)
         reason = event.finish_reason if event.error is None else "error"
         m.requests_finished.labels(reason=reason).inc()
         if reason == "error":
             err = event.error or errors.EngineError("the request failed in the engine")
-            self.link.send(P.error(req.key, err.code, str(err), err.retryable, attempt=req.attempt))
+            req.link.send(P.error(req.key, err.code, str(err), err.retryable, attempt=req.attempt))
             return
         u = event.usage
-        self.link.send(P.worker_final(req.key, req.attempt, reason,
+        req.link.send(P.worker_final(req.key, req.attempt, reason,
                                       P.usage(u.prompt_tokens, u.cached_tokens, u.completion_tokens),
                                       event.token_ids, event.text))
         if req.session_id is not None and reason != "cancelled":
@@ -273,39 +297,39 @@ class WorkerService:
 
     def _forget(self, engine_id: str, req: _InFlight) -> None:
         self._inflight.pop(engine_id, None)
-        self._engine_ids.pop((req.key, req.attempt), None)
+        self._engine_ids.pop((req.link.index, req.key, req.attempt), None)
 
-    def _handle(self, msg: dict) -> None:
+    def _handle(self, link: BrokerLink, msg: dict) -> None:
         try:
             kind = msg["kind"]
             if kind == Kind.DISPATCH:
-                self._on_dispatch(msg)
+                self._on_dispatch(link, msg)
             elif kind == Kind.CANCEL:
-                self._on_cancel(msg["request_id"], msg["attempt"])
+                self._on_cancel(link, msg["request_id"], msg["attempt"])
             elif kind == Kind.END_SESSION:
-                self._on_end_session(msg["request_id"], msg["session_id"])
+                self._on_end_session(link, msg["request_id"], msg["session_id"])
         except Exception as e:  # a bug on one message must not stop the worker
             log.exception("failed to handle %s", msg.get("kind"))
             if msg.get("kind") in (Kind.DISPATCH, Kind.END_SESSION):
                 attempt = msg.get("attempt") if msg.get("kind") == Kind.DISPATCH else None
-                self.link.send(P.error(msg["request_id"], Code.INTERNAL,
-                                       f"worker fault: {type(e).__name__}", False, attempt=attempt))
+                link.send(P.error(msg["request_id"], Code.INTERNAL,
+                                  f"worker fault: {type(e).__name__}", False, attempt=attempt))
 
-    def _on_dispatch(self, msg: dict) -> None:
+    def _on_dispatch(self, link: BrokerLink, msg: dict) -> None:
         key, attempt = msg["request_id"], msg["attempt"]
-        if (key, attempt) in self._engine_ids:
+        if (link.index, key, attempt) in self._engine_ids:
             return  # a repeated dispatch: the first one is running
         sid = msg.get("session_id")
-        if sid is not None and self._supersede(sid, msg):
+        if sid is not None and self._supersede(link, sid, msg):
             return
-        engine_id = f"{self.link.connects}.{next(self._ids)}.{key}"
+        engine_id = f"{link.index}.{link.connects}.{next(self._ids)}.{key}"
         resume = msg["resume_tokens"]
-        req = _InFlight(key=key, attempt=attempt, session_id=sid, next_index=len(resume),
-                        arrived=time.monotonic())
+        req = _InFlight(link=link, key=key, attempt=attempt, session_id=sid,
+                        next_index=len(resume), arrived=time.monotonic())
         try:
             params = SamplingParams(**(msg.get("params") or {}))
             self._inflight[engine_id] = req
-            self._engine_ids[(key, attempt)] = engine_id
+            self._engine_ids[(link.index, key, attempt)] = engine_id
             self._queued_ids.add(engine_id)
             self.engine.submit(input_ids=msg.get("input_ids"), prompt=msg.get("prompt"),
                                params=params, session_id=sid, request_id=engine_id,
@@ -317,7 +341,7 @@ class WorkerService:
             log.exception("dispatch %s failed", key)
             self._reject(engine_id, req, errors.EngineError(f"worker fault: {type(e).__name__}"))
 
-    def _supersede(self, session_id: str, msg: dict) -> bool:
+    def _supersede(self, link: BrokerLink, session_id: str, msg: dict) -> bool:
         """A broker sends one request per session at a time, so a dispatch for
         a session that still runs here means the running one was given up (its
         broker was lost, its client moved on): cancel it and run the new one
@@ -325,13 +349,16 @@ class WorkerService:
         running = next((eid for eid, r in self._inflight.items() if r.session_id == session_id),
                        None)
         if running is None:
-            return False
+            if session_id not in self._abandoned.values():
+                return False
+            running = next(eid for eid, sid in self._abandoned.items() if sid == session_id)
         replaced = self._deferred.get(session_id)
         if replaced is not None:  # an older deferred one is superseded too
-            self.link.send(P.error(replaced["request_id"], Code.SESSION_BUSY,
-                                   f"superseded by a later request for session {session_id!r}",
-                                   True, attempt=replaced["attempt"]))
-        self._deferred[session_id] = msg
+            old_link, old = replaced
+            old_link.send(P.error(old["request_id"], Code.SESSION_BUSY,
+                                  f"superseded by a later request for session {session_id!r}",
+                                  True, attempt=old["attempt"]))
+        self._deferred[session_id] = (link, msg)
         try:
             self.engine.cancel(running)  # its final comes as an event; then the new one runs
         except errors.UnknownRequest:
@@ -346,10 +373,10 @@ class WorkerService:
         else:
             code, retryable = e.code, e.retryable
         self.metrics.requests_finished.labels(reason="error").inc()
-        self.link.send(P.error(req.key, code, str(e), retryable, attempt=req.attempt))
+        req.link.send(P.error(req.key, code, str(e), retryable, attempt=req.attempt))
 
-    def _on_cancel(self, key: str, attempt: int) -> None:
-        engine_id = self._engine_ids.get((key, attempt))
+    def _on_cancel(self, link: BrokerLink, key: str, attempt: int) -> None:
+        engine_id = self._engine_ids.get((link.index, key, attempt))
         if engine_id is None:
             return  # finished or never ran here: nothing to stop
         try:
@@ -357,30 +384,36 @@ class WorkerService:
         except errors.UnknownRequest:
             pass  # it finished meanwhile; that final is on its way
 
-    def _on_end_session(self, key: str, session_id: str) -> None:
+    def _on_end_session(self, link: BrokerLink, key: str, session_id: str) -> None:
         try:
             self.engine.end_session(session_id)
         except errors.EngineError as e:
-            self.link.send(P.error(key, e.code, str(e), e.retryable))
+            link.send(P.error(key, e.code, str(e), e.retryable))
             return
         stats, resident = self._snapshot
         self._snapshot = (stats, resident - {session_id})
-        self.link.send(P.session_ended(key, session_id))
+        link.send(P.session_ended(key, session_id))
 
-    def _abandon_all(self) -> None:
-        """The broker re-dispatches whatever this connection had: stop it here."""
-        for engine_id in list(self._inflight):
+    def _abandon(self, link: BrokerLink) -> None:
+        """The broker re-dispatches whatever this connection had (or its
+        clients send it again elsewhere): stop it here."""
+        for engine_id, req in list(self._inflight.items()):
+            if req.link is not link:
+                continue
             try:
                 self.engine.cancel(engine_id)
             except errors.UnknownRequest:
                 pass
-        self._inflight.clear()
-        self._engine_ids.clear()
-        self._deferred.clear()
+            self._forget(engine_id, req)
+            if req.session_id is not None:
+                self._abandoned[engine_id] = req.session_id
+        for sid, (deferred_link, _) in list(self._deferred.items()):
+            if deferred_link is link:
+                del self._deferred[sid]
 
-    def _heartbeat(self) -> None:
+    def _heartbeat(self, link: BrokerLink) -> None:
         stats, resident = self._snapshot
-        self.link.heartbeat(free_slots=stats["slots_total"] - stats["slots_active"],
+        link.heartbeat(free_slots=stats["slots_total"] - stats["slots_active"],
                             free_kv_blocks=stats["kv_blocks_total"] - stats["kv_blocks_used"],
                             queue_len=stats["waiting"], resident=resident)
 

@@ -40,6 +40,7 @@ class InFlight:
     seq: int = 0  # next seq handed to the application
     retries: int = 0
     retry_at: Optional[float] = None  # a retry is due then
+    sends: int = 0
 
     @property
     def stream(self) -> bool:
@@ -52,6 +53,7 @@ class InFlight:
             msg["resume_tokens"] = list(self.tokens)
             msg["resume_text"] = self.text
         msg["timeout"] = round(max(self.deadline - DEADLINE_GRACE_S - now, 0.001), 3)
+        self.sends += 1
         return P.pack(msg)
 
     def accept(self, msg: dict, now: float) -> Optional[dict]:
@@ -72,8 +74,11 @@ class InFlight:
             return out
         if kind == P.Kind.FINAL:
             return {**msg, "seq": self.seq}
-        if kind == P.Kind.ERROR and msg["code"] in RETRIED_CODES and self._retry(now):
-            return None
+        if kind == P.Kind.ERROR:
+            if msg["code"] == P.Code.DUPLICATE_REQUEST and self.sends > 1:
+                return None  # sent again to a broker that had it after all: it goes on there
+            if msg["code"] in RETRIED_CODES and self._retry(now):
+                return None
         return msg
 
     def _retry(self, now: float) -> bool:

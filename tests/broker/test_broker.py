@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import random
 import signal
@@ -12,7 +13,7 @@ import msgpack
 import pytest
 import zmq
 
-from turbomq.clients import Client, Delta, Final, Overloaded, Timeout, Unavailable, UnknownSession
+from turbomq.clients import AsyncClient, Client, Delta, Final, Overloaded, Timeout, Unavailable, UnknownSession
 from turbomq.clients import protocol as P
 
 from _service_helpers import Service, expected_echo
@@ -275,6 +276,39 @@ def test_broker_restart_resumes_streams_without_gap_or_duplicate(service, client
         assert events[-1].finish_reason == "length" and events[-1].usage.completion_tokens == 40
     stats = clients[0].stats()  # the new broker's
     assert stats["requests_resumed"] >= 3
+
+
+def test_async_client_fails_over_to_the_other_broker(service, client_for):
+    # Two brokers with the same echo worker behind both; the async client
+    # streams through the first, which is SIGKILLed: the stream ends
+    # complete through the second.
+    svc = service()
+    other = service()
+    svc.add_worker("w", slots=4, delay=0.03)
+    other.workers["w"] = svc._spawn([sys.executable, "-m", "turbomq.broker.echo_worker",
+                                     "--broker", other.back, "--worker-id", "w2",
+                                     "--slots", "4", "--delay", "0.03"])
+    svc.wait_workers(client_for(svc), 1)
+    other.wait_workers(client_for(other), 1)
+
+    async def run() -> list:
+        async with AsyncClient([svc.front, other.front], timeout=20.0, ping_interval=0.1) as c:
+            events = []
+            async for event in await_stream(c):
+                events.append(event)
+                if len(events) == 3:
+                    os.killpg(svc.broker.pid, signal.SIGKILL)
+            assert c.watch.failovers == 1
+            return events
+
+    def await_stream(c):
+        return c.generate(input_ids=[4, 5], max_tokens=50, stream=True)
+
+    events = asyncio.run(run())
+    deltas = [e for e in events if isinstance(e, Delta)]
+    assert [d.seq for d in deltas] == list(range(len(deltas)))
+    assert [t for d in deltas for t in d.token_ids] == expected_echo([4, 5], 50)
+    assert isinstance(events[-1], Final) and events[-1].usage.completion_tokens == 50
 
 
 def test_stalled_worker_never_delivers_twice_or_out_of_order(service, client_for):

@@ -399,7 +399,7 @@ def write_report(s: dict, out: Path, argv: str) -> None:
     faults = ", ".join(f"{k} {n}" for k, n in s["faults"].items())
     (out / "chaos.md").write_text(f"""# Chaos run
 
-`make chaos` (`.venv/bin/python benchmarks/chaos.py {argv}`): {s['sessions']} sessions x
+`make chaos` (`.venv/bin/python benchmarks/chaos.py{' ' + argv if argv else ''}`): {s['sessions']} sessions x
 {s['turns_per_session']} turns through two brokers (active-active), {s['workers']} CPU workers
 (demo model) and redis-server (AOF, `appendfsync everysec`), {s['concurrency']} sessions in
 flight, on {s['machine']}, {s['elapsed_s']} s. Faults, one at a time at random: {faults}.

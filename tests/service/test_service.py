@@ -200,11 +200,14 @@ def expected_tokens(prompts: list, max_tokens: int, **params) -> list[list[int]]
     return [r.token_ids for r in results]
 
 
-def expected_session(session_id: str, turns: list, max_tokens: int) -> list[list[int]]:
+def expected_session(session_id: str, turns: list, max_tokens: int,
+                     sampling: Optional[dict] = None) -> list[list[int]]:
+    """Each turn's tokens, fault-free (greedy unless `sampling` says otherwise)."""
     from turbomq.worker import SamplingParams
     engine = reference_engine()
+    sampling = sampling if sampling is not None else GREEDY
     out = [engine.generate(prompts=turn, session_id=session_id,
-                           params=SamplingParams(max_tokens=max_tokens, **GREEDY))[0].token_ids
+                           params=SamplingParams(max_tokens=max_tokens, **sampling))[0].token_ids
            for turn in turns]
     engine.end_session(session_id)
     return out

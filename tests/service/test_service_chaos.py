@@ -115,31 +115,40 @@ def test_broker_restart_mid_turn_every_turn_once(cluster, client_for, redis_serv
     turns = ["The orchard was heavy with fruit.", " A ladder leaned on the oldest tree",
              " By noon the baskets were full"]
     names = [f"orchard-{i}" for i in range(6)]
-    want = expected_session("ref-restart", turns, 24)
-    sessions = [client_for(svc.front).session(name, max_tokens=24, **GREEDY)
-                for name in names]
-    for chat in sessions:
-        assert chat.send(turns[0]).token_ids == want[0]
+    # Even sessions greedy, odd ones seeded sampling: both continue exactly.
+    sampling = [GREEDY if i % 2 == 0 else {"temperature": 0.9, "top_k": 50, "seed": 11}
+                for i in range(len(names))]
+    want = [expected_session(f"ref-restart-{i % 2}", turns, 24, sampling[i])
+            for i in range(len(names))]
+    sessions = [client_for(svc.front).session(name, max_tokens=24, **sampling[i])
+                for i, name in enumerate(names)]
+    for chat, w in zip(sessions, want):
+        assert chat.send(turns[0]).token_ids == w[0]
     streams = [chat.send(turns[1], stream=True) for chat in sessions]
     firsts = [next(s) for s in streams]  # every turn is running
     svc.restart_broker(down_s=0.2)
-    for stream, first in zip(streams, firsts):
+    for stream, first, w in zip(streams, firsts, want):
         tokens, final = read_stream(_chain(first, stream))
-        assert tokens == want[1] and final.finish_reason in ("length", "stop")
-    for chat in sessions:
-        assert chat.send(turns[2]).token_ids == want[2]
+        assert tokens == w[1] and final.finish_reason in ("length", "stop")
+    for chat, w in zip(sessions, want):
+        assert chat.send(turns[2]).token_ids == w[2]
+    # The new broker learned where each session's KV is from heartbeats.
+    assert client.stats()["routing"].get("affinity", 0) >= len(names)
     store = RedisSessionStore(redis_server.url, model_id="demo")
     try:
         histories = [store.get_tokens(name) for name in names]
     finally:
         store.close()
     reference = reference_engine()
-    for turn in turns:
-        reference.generate(prompts=turn, session_id="ref-history",
-                           params=SamplingParams(max_tokens=24, **GREEDY))
-    want_history = reference.session_store.get_tokens("ref-history")
-    reference.end_session("ref-history")
-    assert histories == [want_history] * len(names)  # every turn in each session once
+    for kind in (0, 1):
+        for turn in turns:
+            reference.generate(prompts=turn, session_id=f"ref-history-{kind}",
+                               params=SamplingParams(max_tokens=24, **sampling[kind]))
+    want_history = [reference.session_store.get_tokens(f"ref-history-{i % 2}")
+                    for i in range(len(names))]
+    for kind in (0, 1):
+        reference.end_session(f"ref-history-{kind}")
+    assert histories == want_history  # every turn in each session once
 
 
 def _chain(first, rest):

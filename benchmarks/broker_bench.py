@@ -31,13 +31,15 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 import msgpack
 import zmq
 
 from turbomq import _native
 from turbomq.broker.config import BrokerConfig
-from turbomq.clients import Client
+from turbomq.clients import Client, CurveClient
+from turbomq.clients.keys import allow_line, new_keypair
 from turbomq.clients import protocol as P
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,9 +54,22 @@ def percentile(xs: list, q: float) -> float:
     return xs[min(len(xs) - 1, int(round(q / 100.0 * (len(xs) - 1))))]
 
 
-def spawn_worker(endpoint: str, slots: int) -> subprocess.Popen:
+def spawn_worker(endpoint: str, slots: int, keys: Optional[dict] = None) -> subprocess.Popen:
+    curve = ["--curve-secret", keys["worker_secret"], "--broker-key", keys["broker_key"]] if keys else []
     return subprocess.Popen([PY, "-m", "turbomq.broker.echo_worker", "--broker", endpoint,
-                             "--slots", str(slots), "--worker-id", "bench"])
+                             "--slots", str(slots), "--worker-id", "bench", *curve])
+
+
+def curve_keys(folder: str) -> dict:
+    """Key pairs for a broker, a worker and a client, and the allow-lists."""
+    (broker_key, broker_secret), (worker_key, worker_secret), (client_key, client_secret) = (
+        new_keypair(folder, name) for name in ("broker", "worker", "client"))
+    Path(folder, "workers.allow").write_text(allow_line(worker_key) + "\n")
+    Path(folder, "clients.allow").write_text(allow_line(client_key) + "\n")
+    return {"broker_secret": str(broker_secret), "broker_key": str(broker_key),
+            "worker_secret": str(worker_secret), "client": CurveClient.load(client_secret, broker_key),
+            "workers_allow": str(Path(folder, "workers.allow")),
+            "clients_allow": str(Path(folder, "clients.allow"))}
 
 
 class Endpoints:
@@ -85,10 +100,12 @@ class Endpoints:
             os.rmdir(self._dir)
 
 
-def spawn_broker(eps: Endpoints, spin_us: float) -> tuple:
+def spawn_broker(eps: Endpoints, spin_us: float, keys: Optional[dict] = None) -> tuple:
+    curve = (["--curve-secret", keys["broker_secret"], "--client-keys", keys["clients_allow"],
+              "--worker-keys", keys["workers_allow"]] if keys else [])
     proc = subprocess.Popen([PY, "-m", "turbomq.broker", "--front", eps.new(),
                              "--back", eps.new(), "--log-level", "WARNING",
-                             "--queue-bound", "100000", "--spin-us", str(spin_us)],
+                             "--queue-bound", "100000", "--spin-us", str(spin_us), *curve],
                             stdout=subprocess.PIPE, text=True)
     ep = json.loads(proc.stdout.readline())
     return proc, ep["front"], ep["back"]
@@ -127,9 +144,11 @@ class DirectPath:
 
 
 class BrokeredPath:
-    def __init__(self, ctx: zmq.Context, front: str):
+    def __init__(self, ctx: zmq.Context, front: str, curve: Optional[CurveClient] = None):
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        if curve is not None:
+            curve.apply(self.sock)
         self.sock.connect(front)
         self.n = 0
 
@@ -286,50 +305,65 @@ def measure(ctx: zmq.Context, transport: str, args) -> dict:
     """Every measurement over one transport."""
     warmup = max(args.requests // 10, 100)
     eps = Endpoints(transport)
+    keys = curve_keys(tempfile.mkdtemp(prefix="turbomq-bench-keys-"))
     broker, front, back = spawn_broker(eps, args.spin_us)
     bworker = spawn_worker(back, slots=args.streams)
+    cbroker, cfront, cback = spawn_broker(eps, args.spin_us, keys)  # CURVE on both sockets
+    cworker = spawn_worker(cback, slots=args.streams, keys=keys)
     direct = DirectPath(ctx, args.streams, eps)
     brokered = BrokeredPath(ctx, front)
+    curved = BrokeredPath(ctx, cfront, keys["client"])
     try:
-        with Client(front) as c:
-            while c.health()["workers"] < 1:
-                time.sleep(0.05)
-        # Interleave the paths so drift on the shared machine hits both alike.
-        lat_direct, lat_brokered = [], []
+        for f, curve in ((front, None), (cfront, keys["client"])):
+            with Client(f, curve=curve) as c:
+                while c.health()["workers"] < 1:
+                    time.sleep(0.05)
+        # Interleave the paths so drift on the shared machine hits all alike.
+        lat_direct, lat_brokered, lat_curve = [], [], []
         for _ in range(ROUNDS):
             lat_direct += latency(direct, args.requests // ROUNDS, warmup // ROUNDS)
             lat_brokered += latency(brokered, args.requests // ROUNDS, warmup // ROUNDS)
+            lat_curve += latency(curved, args.requests // ROUNDS, warmup // ROUNDS)
         lat_library = library_latency(front, args.requests // 4, warmup // 4)
-        tp_direct, tp_brokered = [], []
+        tp_direct, tp_brokered, tp_curve = [], [], []
         for _ in range(args.repeats):
             tp_direct.append(throughput(direct, args.streams, args.tokens))
             tp_brokered.append(throughput(brokered, args.streams, args.tokens))
+            tp_curve.append(throughput(curved, args.streams, args.tokens))
         with Client(front) as c:
             broker_stats = c.stats()
     finally:
         direct.close()
         brokered.close()
-        broker.terminate()
-        bworker.terminate()
-        bworker.wait(5)
-        broker.wait(5)
+        curved.close()
+        for p in (broker, bworker, cbroker, cworker):
+            p.terminate()
+        for p in (broker, bworker, cbroker, cworker):
+            p.wait(5)
     try:
         floor = hop_floor(ctx, args.requests // 2, eps)
     finally:
         eps.cleanup()
     d, b, lib = summary(lat_direct), summary(lat_brokered), summary(lat_library)
+    cv = summary(lat_curve)
     best_d = max(tp_direct, key=lambda r: r["messages_per_s"])
     best_b = max(tp_brokered, key=lambda r: r["messages_per_s"])
+    best_c = max(tp_curve, key=lambda r: r["messages_per_s"])
     return {
         "transport": TRANSPORTS[transport],
-        "latency": {"direct": d, "brokered": b, "client_library_brokered": lib,
+        "latency": {"direct": d, "brokered": b, "brokered_curve": cv,
+                    "client_library_brokered": lib,
                     "added_p50_us": round(b["p50_us"] - d["p50_us"], 1),
-                    "added_p99_us": round(b["p99_us"] - d["p99_us"], 1)},
+                    "added_p99_us": round(b["p99_us"] - d["p99_us"], 1),
+                    "curve_added_p50_us": round(cv["p50_us"] - d["p50_us"], 1)},
         "throughput": {"streams": args.streams, "tokens_per_stream": args.tokens,
                        "direct_messages_per_s": round(best_d["messages_per_s"]),
                        "brokered_messages_per_s": round(best_b["messages_per_s"]),
+                       "brokered_curve_messages_per_s": round(best_c["messages_per_s"]),
+                       "curve_vs_plain": round(best_c["messages_per_s"] / best_b["messages_per_s"], 3),
                        "runs_direct": [round(r["messages_per_s"]) for r in tp_direct],
-                       "runs_brokered": [round(r["messages_per_s"]) for r in tp_brokered]},
+                       "runs_brokered": [round(r["messages_per_s"]) for r in tp_brokered],
+                       "runs_brokered_curve": [round(r["messages_per_s"]) for r in tp_curve]},
         "hop_floor_c_proxy": floor,
         "broker_counters": {k: broker_stats[k] for k in ("messages_in", "messages_out",
                                                           "requests_by_outcome")},
@@ -394,12 +428,16 @@ def render(r: dict) -> str:
             f"| {name} | through the broker | {lat['brokered']['p50_us']} | "
             f"{lat['brokered']['p90_us']} | {lat['brokered']['p99_us']} | "
             f"{tp['brokered_messages_per_s']:,} |",
+            f"| {name} | through the broker, CURVE on both links | {lat['brokered_curve']['p50_us']} | "
+            f"{lat['brokered_curve']['p90_us']} | {lat['brokered_curve']['p99_us']} | "
+            f"{tp['brokered_curve_messages_per_s']:,} ({tp['curve_vs_plain']:.0%} of plain) |",
             f"| {name} | through the broker, `Client` library | "
             f"{lat['client_library_brokered']['p50_us']} | "
             f"{lat['client_library_brokered']['p90_us']} | "
             f"{lat['client_library_brokered']['p99_us']} | |",
             f"| {name} | **added by the broker** | **{lat['added_p50_us']}** | | "
             f"**{lat['added_p99_us']}** | |",
+            f"| {name} | **added by the broker, CURVE** | **{lat['curve_added_p50_us']}** | | | |",
         ]
     rows.append("")
     for name, t in r["transports"].items():
@@ -439,6 +477,12 @@ compare rows of one run.
 """
 
 MD_TAIL = """
+"CURVE on both links": a second broker with CurveZMQ on its front and back
+sockets (keys on its allow-lists, `docs/security.md`), with its own echo
+worker and a client holding an allowed key, measured in the same rounds as
+the plain broker. The target for it is at least 80% of the plain broker's
+messages/s.
+
 The issue 4 target is an added p50 of at most 100 µs with at least 50,000
 messages/s. The broker's loop is native (C++ over libzmq; `docs/broker.md`,
 Performance). The two reference hops above carry no broker logic: libzmq's C

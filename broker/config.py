@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from turbomq.clients.keys import is_local_endpoint
+
 
 @dataclass
 class BrokerConfig:
@@ -22,6 +24,14 @@ class BrokerConfig:
     # passes. True: it fails at once (no_workers / worker_lost).
     fail_fast: bool = False
     broker_id: str = ""  # this process's id in pong/registered; "" picks a random one
+    # CurveZMQ (docs/security.md): the broker's NAME.key_secret; both sockets
+    # then encrypt and admit only the public keys of the allow-lists, which
+    # are read again whenever their files change. "": plain.
+    curve_secret: str = ""
+    client_keys: str = ""  # allow-list of client keys: `TENANT PUBLIC_KEY` lines
+    worker_keys: str = ""  # allow-list of worker keys: `NAME PUBLIC_KEY` lines
+    # Plain mode is for loopback and ipc; on any other address it needs this.
+    allow_plain: bool = False
     send_hwm: int = 100_000  # per-peer outbound queue, in messages
     # After a burst of messages, keep polling (without sleeping) this long for
     # the next one before blocking: a reply that comes back soon is picked up
@@ -37,3 +47,10 @@ class BrokerConfig:
             raise ValueError("client_timeout and default_timeout must be > 0")
         if not 0 <= self.spin_us <= 1_000_000:
             raise ValueError("spin_us must be in [0, 1e6]")
+        if self.curve_secret and not (self.client_keys and self.worker_keys):
+            raise ValueError("CURVE needs both allow-lists: client_keys and worker_keys")
+        exposed = [e for e in (self.front, self.back) if not is_local_endpoint(e)]
+        if not self.curve_secret and exposed and not self.allow_plain:
+            raise ValueError(f"plain (unauthenticated) mode on {', '.join(exposed)}: anyone who "
+                             "reaches it is trusted. Give curve_secret (--curve-secret) with "
+                             "allow-lists, or allow_plain (--allow-plain) to accept that")

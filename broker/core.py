@@ -11,6 +11,7 @@ well-formed generate, delta and final itself and hands every other frame to
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 from typing import Optional
 
@@ -18,6 +19,7 @@ import msgpack
 
 from turbomq import _native
 from turbomq.clients import protocol as P
+from turbomq.clients.keys import KeyFileError, KeyPair, load_allow_list
 
 from .config import BrokerConfig
 
@@ -47,12 +49,40 @@ class Broker:
         settings.retryable_codes = sorted(P.RETRYABLE_CODES)
         settings.broker_id = config.broker_id or secrets.token_hex(8)
         self.broker_id: str = settings.broker_id
+        self._allow_lists = {}  # domain -> (path, mtime of the version loaded)
+        if config.curve_secret:
+            pair = KeyPair.load(config.curve_secret)
+            if pair.secret is None:
+                raise KeyFileError(f"{config.curve_secret} holds no secret key")
+            settings.curve_secret_key = pair.secret.decode()
+            self._allow_lists = {"clients": [config.client_keys, None],
+                                 "workers": [config.worker_keys, None]}
         # Optional metrics: .tick(stats) each tick, .finished(seconds) per request,
         # .queue_wait(seconds) per dispatch that waited in the queue.
         self.observer = None
         self._core = _native.broker.BrokerCore(settings, self._validate, self._log, self._tick)
         self.front_endpoint: str = self._core.front_endpoint
         self.back_endpoint: str = self._core.back_endpoint
+        self._reload_allow_lists(strict=True)
+
+    def _reload_allow_lists(self, strict: bool = False) -> None:
+        """Load each allow-list whose file changed. A list that cannot be read
+        keeps the version already loaded (at start: fails)."""
+        for domain, entry in self._allow_lists.items():
+            path, loaded = entry
+            try:
+                mtime = os.stat(path).st_mtime_ns
+                if mtime == loaded:
+                    continue
+                keys = load_allow_list(path)
+            except (OSError, KeyFileError) as e:
+                if strict:
+                    raise KeyFileError(str(e)) from None
+                log.error("kept the %s allow-list: %s", domain, e)
+                continue
+            self._core.allow(domain, keys)
+            entry[1] = mtime
+            log.info("%s allow-list %s: %d keys", domain, path, len(keys))
 
     def _validate(self, side: int, frame: bytes) -> Optional[tuple]:
         """clients/protocol's verdict on a frame the data plane did not accept at sight."""
@@ -68,6 +98,7 @@ class Broker:
         log.log(level, "%s", message)
 
     def _tick(self, snapshot: bytes, durations: list, queue_waits: list) -> None:
+        self._reload_allow_lists()
         observer = self.observer
         if observer is not None:
             observer.tick(msgpack.unpackb(snapshot))

@@ -28,6 +28,7 @@ from typing import Optional, Sequence
 import zmq
 
 from turbomq.clients import protocol as P
+from turbomq.clients.keys import CurveClient
 from turbomq.clients.protocol import Code, Kind
 from turbomq.worker.service.link import BrokerLink  # torch-free (turbomq.worker imports lazily)
 
@@ -43,6 +44,8 @@ class EchoConfig:
     die_after: int = 0  # os._exit after this many deltas; 0 never
     event_log: Optional[str] = None  # JSON lines: dispatch / cancel / end_session
     model: str = "echo"
+    curve_secret: Optional[str] = None  # CurveZMQ: this worker's NAME.key_secret ...
+    broker_key: Optional[str] = None  # ... and the broker's public NAME.key
 
 
 def token_text(t: int) -> str:
@@ -68,7 +71,9 @@ class EchoWorker:
     def __init__(self, config: EchoConfig, context: Optional[zmq.Context] = None):
         self.config = config
         self.ctx = context or zmq.Context.instance()
-        self.link = BrokerLink(self.ctx, config.broker, self._register_msg)
+        curve = (CurveClient.load(config.curve_secret, config.broker_key)
+                 if config.curve_secret else None)
+        self.link = BrokerLink(self.ctx, config.broker, self._register_msg, curve=curve)
         self.active: dict[str, EchoRequest] = {}
         self.waiting: deque[EchoRequest] = deque()
         self.sessions: set[str] = set()  # resident sessions, reported in heartbeats
@@ -222,10 +227,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--tokens-per-delta", type=int, default=d.tokens_per_delta)
     p.add_argument("--die-after", type=int, default=0, help="exit abruptly after N deltas")
     p.add_argument("--event-log", default=None)
+    p.add_argument("--curve-secret", default=None)
+    p.add_argument("--broker-key", default=None)
     args = p.parse_args(argv)
     config = EchoConfig(broker=args.broker, slots=args.slots, kv_blocks=args.kv_blocks,
                         delay=args.delay, tokens_per_delta=args.tokens_per_delta,
-                        die_after=args.die_after, event_log=args.event_log)
+                        die_after=args.die_after, event_log=args.event_log,
+                        curve_secret=args.curve_secret, broker_key=args.broker_key)
     if args.worker_id:
         config.worker_id = args.worker_id
     worker = EchoWorker(config)

@@ -9,6 +9,8 @@ import signal
 import sys
 from typing import Optional, Sequence
 
+from turbomq.clients.keys import KeyFileError
+
 from .config import BrokerConfig
 from .core import run_broker
 
@@ -35,6 +37,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fail-fast", action="store_true",
                    help="refuse (no_workers, worker_lost) a request no worker can take now, "
                         "instead of queueing it until one comes or its deadline passes")
+    p.add_argument("--curve-secret", default=d.curve_secret, metavar="FILE",
+                   help="the broker's NAME.key_secret: encrypt both links and admit only the "
+                        "keys of --client-keys and --worker-keys (docs/security.md)")
+    p.add_argument("--client-keys", default=d.client_keys, metavar="FILE",
+                   help="allow-list of client keys, `TENANT PUBLIC_KEY` per line; re-read on change")
+    p.add_argument("--worker-keys", default=d.worker_keys, metavar="FILE",
+                   help="allow-list of worker keys, `NAME PUBLIC_KEY` per line; re-read on change")
+    p.add_argument("--allow-plain", action="store_true",
+                   help="serve unauthenticated, unencrypted links on a non-loopback address")
     p.add_argument("--broker-id", default=d.broker_id,
                    help="this broker's id in pong/registered replies (default: random)")
     p.add_argument("--spin-us", type=float, default=d.spin_us,
@@ -110,14 +121,20 @@ def config_from_args(args: argparse.Namespace) -> BrokerConfig:
                         client_timeout=args.client_timeout, default_timeout=args.default_timeout,
                         cancel_grace=args.cancel_grace, max_redispatch=args.max_redispatch,
                         spin_us=args.spin_us, fail_fast=args.fail_fast,
-                        broker_id=args.broker_id)
+                        broker_id=args.broker_id, curve_secret=args.curve_secret,
+                        client_keys=args.client_keys, worker_keys=args.worker_keys,
+                        allow_plain=args.allow_plain)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    config = config_from_args(args)
+    try:
+        config = config_from_args(args)
+    except ValueError as e:  # a refused configuration: one clear line
+        print(f"turbomq broker: error: {e}", file=sys.stderr)
+        return 2
 
     def ready(broker) -> None:
         def stop(_signum, _frame):
@@ -130,5 +147,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         # One JSON line with the bound endpoints, for scripts that asked for port *.
         print(json.dumps(endpoints), flush=True)
 
-    run_broker(config, ready=ready)
+    try:
+        run_broker(config, ready=ready)
+    except KeyFileError as e:
+        print(f"turbomq broker: error: {e}", file=sys.stderr)
+        return 2
     return 0

@@ -9,11 +9,12 @@ from .aio import AsyncChatSession, AsyncClient
 from .client import ChatSession, Client, Stream
 from .errors import (InvalidRequest, Overloaded, PromptTooLong, ServerError, SessionBusy, Timeout,
                      TurbomqError, Unavailable, UnknownRequest, UnknownSession)
+from .keys import CurveClient, KeyPair
 from .protocol import PROTOCOL_VERSION, ProtocolError
 from .types import Delta, Final, Result, Usage
 
 __all__ = [
-    "AsyncChatSession", "AsyncClient", "ChatSession", "Client", "Stream",
+    "AsyncChatSession", "AsyncClient", "ChatSession", "Client", "Stream", "CurveClient", "KeyPair",
     "InvalidRequest", "Overloaded", "PromptTooLong", "ServerError", "SessionBusy", "Timeout",
     "TurbomqError", "Unavailable", "UnknownRequest", "UnknownSession",
     "PROTOCOL_VERSION", "ProtocolError", "Delta", "Final", "Result", "Usage",

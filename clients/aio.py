@@ -13,8 +13,9 @@ import zmq.asyncio
 from . import protocol as P
 from .common import (PromptLike, decode_reply, encode_checked, generate_message, new_id,
                      reply_error, sampling_params, to_event, to_result)
+from .keys import CurveClient
 from .errors import ServerError, Timeout, TurbomqError
-from .resume import DEADLINE_GRACE_S, BrokerWatch, InFlight
+from .resume import DEADLINE_GRACE_S, SEND_TIMEOUT_S, BrokerWatch, InFlight
 from .types import Delta, Final, Result
 
 _PING = P.pack(P.ping())
@@ -33,12 +34,14 @@ class AsyncClient:
     def __init__(self, address: Union[str, Sequence[str]] = "tcp://127.0.0.1:5555", *,
                  timeout: float = 60.0, ping_interval: float = 0.5, liveness: int = 3,
                  limits: P.Limits = P.DEFAULT_LIMITS,
-                 context: Optional[zmq.asyncio.Context] = None):
+                 context: Optional[zmq.asyncio.Context] = None,
+                 curve: Optional[CurveClient] = None):
         self.watch = BrokerWatch([address] if isinstance(address, str) else address,
                                  ping_interval, liveness)
         self.timeout = timeout
         self.ping_interval = ping_interval
         self.limits = limits
+        self.curve = curve  # CurveZMQ keys: encrypted, authenticated links (docs/security.md)
         self._ctx = context or zmq.asyncio.Context.instance()
         self._sock = self._connect(self.watch.endpoint)
         self._queues: dict[str, asyncio.Queue] = {}
@@ -55,6 +58,9 @@ class AsyncClient:
     def _connect(self, endpoint: str) -> zmq.asyncio.Socket:
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDTIMEO, int(SEND_TIMEOUT_S * 1000))
+        if self.curve is not None:
+            self.curve.apply(sock)
         sock.connect(endpoint)
         return sock
 
@@ -93,14 +99,22 @@ class AsyncClient:
             for q in self._queues.values():
                 q.put_nowait(None)
 
+    async def _send(self, frame: bytes) -> None:
+        """Send, or drop the frame when the broker cannot take it (see
+        Client._send): the silence that follows makes the client fail over."""
+        try:
+            await self._sock.send(frame)
+        except zmq.Again:
+            self.watch.pinged(time.monotonic())
+
     async def _ping(self) -> None:
-        await self._sock.send(_PING)
+        await self._send(_PING)
         self.watch.pinged(time.monotonic())
 
     async def _resend(self, reqs, now: float) -> None:
         for req in reqs:
             req.broker_id, req.retry_at = self.watch.broker_id, None
-            await self._sock.send(req.frame(now))
+            await self._send(req.frame(now))
 
     async def _failover(self, now: float) -> None:
         """The broker went silent: connect to the next one and send every
@@ -141,7 +155,7 @@ class AsyncClient:
         q: asyncio.Queue = asyncio.Queue()
         self._queues[rid] = q
         try:
-            await self._sock.send(frame)
+            await self._send(frame)
         except BaseException:
             del self._queues[rid]
             raise
@@ -227,7 +241,7 @@ class AsyncClient:
                 await self.cancel(rid)
 
     async def cancel(self, request_id: str) -> None:
-        await self._sock.send(P.pack(P.cancel(request_id)))
+        await self._send(P.pack(P.cancel(request_id)))
 
     async def end_session(self, session_id: str, timeout: Optional[float] = None) -> None:
         rid = new_id()

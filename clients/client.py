@@ -12,8 +12,9 @@ import zmq
 from . import protocol as P
 from .common import (PromptLike, decode_reply, encode_checked, generate_message, new_id,
                      reply_error, sampling_params, to_event, to_result)
+from .keys import CurveClient
 from .errors import ServerError, Timeout
-from .resume import DEADLINE_GRACE_S, BrokerWatch, InFlight
+from .resume import DEADLINE_GRACE_S, SEND_TIMEOUT_S, BrokerWatch, InFlight
 from .types import Delta, Final, Result
 
 _PING = P.pack(P.ping())
@@ -35,12 +36,14 @@ class Client:
 
     def __init__(self, address: Union[str, Sequence[str]] = "tcp://127.0.0.1:5555", *,
                  timeout: float = 60.0, ping_interval: float = 0.5, liveness: int = 3,
-                 limits: P.Limits = P.DEFAULT_LIMITS, context: Optional[zmq.Context] = None):
+                 limits: P.Limits = P.DEFAULT_LIMITS, context: Optional[zmq.Context] = None,
+                 curve: Optional[CurveClient] = None):
         self.watch = BrokerWatch([address] if isinstance(address, str) else address,
                                  ping_interval, liveness)
         self.timeout = timeout  # default deadline of one request, seconds
         self.ping_interval = ping_interval  # keeps the broker from cancelling our requests
         self.limits = limits
+        self.curve = curve  # CurveZMQ keys: encrypted, authenticated links (docs/security.md)
         self._ctx = context or zmq.Context.instance()
         self._sock = self._connect(self.watch.endpoint)
         self._inbox: dict[str, deque] = {}  # open request id -> replies not yet read
@@ -56,11 +59,21 @@ class Client:
     def _connect(self, endpoint: str) -> zmq.Socket:
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDTIMEO, int(SEND_TIMEOUT_S * 1000))
+        if self.curve is not None:
+            self.curve.apply(sock)
         sock.connect(endpoint)
         return sock
 
     def _send(self, frame: bytes) -> None:
-        self._sock.send(frame)
+        """Send, or drop the frame when the broker cannot take it within
+        SEND_TIMEOUT_S (no connection: e.g. it refused our key, or it is
+        gone); the silence that follows makes the client fail over and send
+        its open requests again."""
+        try:
+            self._sock.send(frame)
+        except zmq.Again:
+            self.watch.pinged(time.monotonic())
         self._last_send = time.monotonic()
 
     def _ping(self) -> None:

@@ -27,6 +27,9 @@ DEADLINE_GRACE_S = 1.0
 RETRIED_CODES = frozenset({P.Code.NO_WORKERS, P.Code.WORKER_LOST, P.Code.SESSION_BUSY,
                            P.Code.SESSION_STORE_UNAVAILABLE})
 RETRY_BACKOFF_S = (0.05, 0.1, 0.2, 0.5, 1.0)
+# A send the socket cannot take this fast (no connection to a broker) is
+# dropped; the resend after the failover carries it.
+SEND_TIMEOUT_S = 0.5
 
 
 @dataclass(eq=False)

@@ -140,6 +140,7 @@ void bind_broker(py::module_& parent) {
       .def_readwrite("spin_us", &BrokerSettings::spin_us)
       .def_readwrite("fail_fast", &BrokerSettings::fail_fast)
       .def_readwrite("broker_id", &BrokerSettings::broker_id)
+      .def_readwrite("curve_secret_key", &BrokerSettings::curve_secret_key)
       .def_readwrite("limits", &BrokerSettings::limits)
       .def_readwrite("retryable_codes", &BrokerSettings::retryable_codes);
 
@@ -152,6 +153,11 @@ void bind_broker(py::module_& parent) {
       .def_property_readonly("back_endpoint", [](PyBroker& b) { return b.core().back_endpoint(); })
       .def("run", &PyBroker::run, "Serve until stop() or a signal handler raises.")
       .def("stop", [](PyBroker& b) { b.core().stop(); })
+      .def("allow", [](PyBroker& b, const std::string& domain,
+                       std::map<std::string, std::string> keys) {
+        b.core().allow(domain, std::move(keys));
+      }, py::arg("domain"), py::arg("keys"),
+         "CURVE only: the public keys (Z85 -> name) admitted in domain 'clients' or 'workers'.")
       .def("close", [](PyBroker& b) { b.core().close(); });
 
   m.def("zmq_version", [] {

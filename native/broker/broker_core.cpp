@@ -32,8 +32,13 @@ BrokerCore::BrokerCore(BrokerSettings settings, BrokerHooks hooks)
   ctx_ = zmq_ctx_new();
   if (ctx_ == nullptr) throw std::runtime_error("zmq_ctx_new failed");
   try {
-    front_ = router(settings_.front, front_endpoint_);
-    back_ = router(settings_.back, back_endpoint_);
+    if (!settings_.curve_secret_key.empty()) {
+      if (settings_.curve_secret_key.size() != 40)
+        throw std::runtime_error("curve_secret_key must be 40 Z85 characters");
+      auth_ = std::make_unique<ZapAuthenticator>(ctx_);  // before any CURVE socket binds
+    }
+    front_ = router(settings_.front, kClientDomain, front_endpoint_);
+    back_ = router(settings_.back, kWorkerDomain, back_endpoint_);
   } catch (...) {
     close();
     throw;
@@ -46,11 +51,13 @@ void BrokerCore::close() {
   if (front_ != nullptr) zmq_close(front_);
   if (back_ != nullptr) zmq_close(back_);
   front_ = back_ = nullptr;
+  if (auth_) auth_->stop();  // its socket too must close before the context ends
+  auth_.reset();
   if (ctx_ != nullptr) zmq_ctx_term(ctx_);
   ctx_ = nullptr;
 }
 
-void* BrokerCore::router(const std::string& endpoint, std::string& bound) {
+void* BrokerCore::router(const std::string& endpoint, const char* domain, std::string& bound) {
   void* sock = zmq_socket(ctx_, ZMQ_ROUTER);
   if (sock == nullptr) throw std::runtime_error("zmq_socket failed");
   int zero = 0, one = 1, hwm = static_cast<int>(settings_.send_hwm);
@@ -62,6 +69,12 @@ void* BrokerCore::router(const std::string& endpoint, std::string& bound) {
   zmq_setsockopt(sock, ZMQ_SNDHWM, &hwm, sizeof hwm);
   zmq_setsockopt(sock, ZMQ_RCVHWM, &hwm, sizeof hwm);
   zmq_setsockopt(sock, ZMQ_MAXMSGSIZE, &max_size, sizeof max_size);
+  if (auth_) {
+    const std::string& key = settings_.curve_secret_key;
+    zmq_setsockopt(sock, ZMQ_CURVE_SERVER, &one, sizeof one);
+    zmq_setsockopt(sock, ZMQ_CURVE_SECRETKEY, key.data(), key.size());
+    zmq_setsockopt(sock, ZMQ_ZAP_DOMAIN, domain, std::char_traits<char>::length(domain));
+  }
   if (zmq_bind(sock, endpoint.c_str()) != 0) {
     std::string why = zmq_strerror(zmq_errno());
     zmq_close(sock);
@@ -402,6 +415,11 @@ void BrokerCore::tick(double t) {
   }
 }
 
+void BrokerCore::allow(const std::string& domain, std::map<std::string, std::string> keys) {
+  if (!auth_) throw std::runtime_error("allow() needs a broker with a curve_secret_key");
+  auth_->allow(domain, std::move(keys));
+}
+
 std::string BrokerCore::stats_snapshot() const {
   msgpack::Writer w;
   auto counts = [&](const char* name, const std::map<std::string, int64_t>& m) {
@@ -421,7 +439,9 @@ std::string BrokerCore::stats_snapshot() const {
     slots_total += wk->slots;
     slots_free += wk->free_slots();
   }
-  w.map(22);
+  w.map(24);
+  count("auth_admitted", auth_ ? auth_->admitted() : 0);
+  count("auth_refused", auth_ ? auth_->refused() : 0);
   count("requests_received", stats_.requests_received);
   count("requests_resumed", stats_.requests_resumed);
   counts("requests_by_outcome", stats_.outcomes);

@@ -18,6 +18,7 @@
 #include <unordered_set>
 #include <vector>
 
+#include "broker_auth.h"
 #include "broker_protocol.h"
 #include "msgpack_lite.h"
 
@@ -40,6 +41,9 @@ struct BrokerSettings {
   // its deadline passes; true: it fails at once with no_workers / worker_lost.
   bool fail_fast = false;
   std::string broker_id;  // this process's id, in pong and registered replies
+  // CurveZMQ: the broker's secret key (Z85, 40 characters). Set, both sockets
+  // encrypt and admit only the public keys allow() lists; empty: plain.
+  std::string curve_secret_key;
   ProtocolLimits limits;
   std::vector<std::string> retryable_codes;  // protocol.RETRYABLE_CODES
 };
@@ -78,6 +82,9 @@ class BrokerCore {
   void stop() { stopping_ = true; }  // from any thread
   void close();
   std::string stats_snapshot() const;  // msgpack map, as in a stats reply
+  // CURVE only: replace the public keys admitted in a domain (kClientDomain,
+  // kWorkerDomain) with `keys` (Z85 key -> name); from any thread.
+  void allow(const std::string& domain, std::map<std::string, std::string> keys);
 
  private:
   struct Worker;  // these three are defined in broker_internal.h
@@ -87,7 +94,7 @@ class BrokerCore {
   using PendingPtr = std::shared_ptr<Pending>;
 
   // ---- the socket loop, sending, frames, tick and stats (broker_core.cpp)
-  void* router(const std::string& endpoint, std::string& bound);
+  void* router(const std::string& endpoint, const char* domain, std::string& bound);
   // Parses `frame` into doc_. nullopt when the protocol accepts it (at sight,
   // or else by clients/protocol's verdict); otherwise clients/protocol's rejection.
   std::optional<Rejection> accept(Side side, std::string_view frame);
@@ -149,6 +156,7 @@ class BrokerCore {
   BrokerSettings settings_;
   BrokerHooks hooks_;
   void* ctx_ = nullptr;
+  std::unique_ptr<ZapAuthenticator> auth_;  // CURVE only
   void* front_ = nullptr;
   void* back_ = nullptr;
   std::string front_endpoint_, back_endpoint_;

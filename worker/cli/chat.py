@@ -8,7 +8,7 @@ import sys
 import uuid
 from typing import Optional, TextIO
 
-from turbomq.clients import Client, Final, TurbomqError
+from turbomq.clients import Client, CurveClient, Final, TurbomqError
 
 
 def _end(client: Client, session_id: str, started: bool) -> None:
@@ -22,8 +22,9 @@ def _end(client: Client, session_id: str, started: bool) -> None:
 
 def run_chat(broker: str, max_tokens: int = 64, temperature: float = 0.8,
              seed: Optional[int] = None, timeout: float = 120.0,
-             stdin: TextIO = sys.stdin, stdout: TextIO = sys.stdout) -> int:
-    with Client(broker.split(","), timeout=timeout) as client:
+             stdin: TextIO = sys.stdin, stdout: TextIO = sys.stdout,
+             curve: Optional[CurveClient] = None) -> int:
+    with Client(broker.split(","), timeout=timeout, curve=curve) as client:
         session_id, started = uuid.uuid4().hex, False
         print("turbomq chat: /reset starts over, /quit leaves", file=stdout, flush=True)
         while True:

@@ -54,7 +54,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
     config = WorkerConfig(engine=_engine_config(args), broker=args.broker, model_id=args.model_id,
                           redis_url=args.redis_url or None, session_ttl=args.session_ttl,
                           metrics_host=args.metrics_host,
-                          metrics_port=None if args.no_metrics else args.metrics_port, **kwargs)
+                          metrics_port=None if args.no_metrics else args.metrics_port,
+                          curve_secret=args.curve_secret, broker_key=args.broker_key, **kwargs)
 
     def ready(service) -> None:
         signal.signal(signal.SIGTERM, lambda *_: service.stop())
@@ -78,6 +79,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         if value is not None:
             worker_args += ["--" + flag.replace("_", "-"), str(value)]
     config = UpConfig(model=args.model, workers=args.workers, brokers=args.brokers, front=front,
+                      curve=args.curve,
                       redis_url=args.redis_url or None, device=args.device,
                       worker_args=worker_args, log_level=args.log_level)
     return run_up(config, smoke_test=args.smoke)
@@ -85,8 +87,41 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 def cmd_chat(args: argparse.Namespace) -> int:
     from .chat import run_chat
+    curve = None
+    if args.curve_secret or args.broker_key:
+        from turbomq.clients import CurveClient
+        from turbomq.clients.keys import KeyFileError
+        try:
+            if not (args.curve_secret and args.broker_key):
+                raise KeyFileError("CURVE needs both --curve-secret and --broker-key")
+            curve = CurveClient.load(args.curve_secret, args.broker_key)
+        except KeyFileError as e:
+            print(f"turbomq chat: error: {e}", file=sys.stderr)
+            return 2
     return run_chat(args.broker, max_tokens=args.max_tokens, temperature=args.temperature,
-                    seed=args.seed)
+                    seed=args.seed, curve=curve)
+
+
+def cmd_keys(args: argparse.Namespace) -> int:
+    from turbomq.clients.keys import KeyFileError, allow_line, new_keypair
+    try:
+        if args.action == "new":
+            public, secret = new_keypair(args.dir, args.name)
+            print(f"wrote {public} (public) and {secret} (secret: keep it private)", file=sys.stderr)
+            print(allow_line(public, args.allow_as))
+        else:
+            print(allow_line(args.key_file, args.allow_as))
+    except KeyFileError as e:
+        print(f"turbomq keys: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _add_curve_args(p: argparse.ArgumentParser, who: str) -> None:
+    p.add_argument("--curve-secret", default=None, metavar="FILE",
+                   help=f"this {who}'s NAME.key_secret (CurveZMQ; with --broker-key)")
+    p.add_argument("--broker-key", default=None, metavar="FILE",
+                   help="the broker's public NAME.key (CurveZMQ; with --curve-secret)")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -192,6 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-host", default="127.0.0.1", help="0.0.0.0 to be scraped from elsewhere")
     p.add_argument("--metrics-port", type=int, default=0, help="/metrics port; 0 picks a free one")
     p.add_argument("--no-metrics", action="store_true", help="serve no /metrics endpoint")
+    _add_curve_args(p, "worker")
     p.add_argument("--log-level", default="INFO")
     p.set_defaults(func=cmd_worker)
 
@@ -211,10 +247,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch-size", type=int, default=None)
     p.add_argument("--block-size", type=int, default=None)
     p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--curve", action="store_true",
+                   help="CurveZMQ on every link, with keys made for this run (docs/security.md)")
     p.add_argument("--smoke", action="store_true",
                    help="start everything, stream one generation through the client, stop, exit 0")
     p.add_argument("--log-level", default="WARNING")
     p.set_defaults(func=cmd_up)
+
+    p = sub.add_parser("keys", help="CurveZMQ key pairs and allow-list lines (docs/security.md)")
+    keys = p.add_subparsers(dest="action", required=True)
+    k = keys.add_parser("new", help="write DIR/NAME.key and DIR/NAME.key_secret; print the "
+                                    "allow-list line")
+    k.add_argument("dir")
+    k.add_argument("name")
+    k.add_argument("--as", dest="allow_as", default=None, metavar="NAME",
+                   help="the name in the printed allow-list line (a client's tenant); default NAME")
+    k = keys.add_parser("line", help="print the allow-list line of a public key file")
+    k.add_argument("key_file")
+    k.add_argument("--as", dest="allow_as", default=None, metavar="NAME")
+    p.set_defaults(func=cmd_keys)
 
     p = sub.add_parser("chat", help="chat with the service in the terminal (one session, streamed)")
     p.add_argument("--broker", default="tcp://127.0.0.1:5555",
@@ -222,6 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--seed", type=int, default=None)
+    _add_curve_args(p, "client")
     p.set_defaults(func=cmd_chat)
 
     p = sub.add_parser("demo-model", help="write the built-in demo model (HF format)")

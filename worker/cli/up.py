@@ -19,6 +19,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional
 
 log = logging.getLogger("turbomq.up")
@@ -42,6 +43,9 @@ class UpConfig:
     device: str = "cpu"  # "cuda" gives worker i cuda:i
     worker_args: list = field(default_factory=list)  # engine flags passed to every worker
     metrics: bool = True  # each process serves /metrics on a free port
+    # CurveZMQ on every link: keys for the brokers, each worker and one client
+    # are made in a private temporary folder (docs/security.md).
+    curve: bool = False
     log_level: str = "WARNING"
 
 
@@ -50,6 +54,7 @@ class Running:
     brokers: list  # [{"front", "back", "metrics_port"}], one per broker
     redis_url: Optional[str]
     workers: list  # [{"worker_id", "metrics_port"}]
+    keys: Optional[dict] = None  # with curve: {"client_secret", "broker_key"} file paths
 
     @property
     def fronts(self) -> list[str]:
@@ -84,6 +89,7 @@ class LocalService:
         self.procs: list[tuple[str, subprocess.Popen]] = []
         self._tmp: Optional[str] = None
         self._ipc_dir: Optional[str] = None
+        self._folders: list[str] = []  # more temporary folders, removed at stop
 
     def _spawn(self, name: str, cmd: list, stdout=subprocess.PIPE) -> subprocess.Popen:
         proc = subprocess.Popen(cmd, stdout=stdout, text=True, start_new_session=True)
@@ -93,10 +99,14 @@ class LocalService:
     def start(self) -> Running:
         c = self.config
         redis_url = self._redis()
+        keys = self._keys() if c.curve else None
         brokers = []
         for i in range(c.brokers):
             cmd = [sys.executable, "-m", "turbomq.broker", "--front", _nth_endpoint(c.front, i),
                    "--back", self._back(i), "--log-level", c.log_level]
+            if keys:
+                cmd += ["--curve-secret", keys["broker_secret"], "--client-keys",
+                        keys["client_keys"], "--worker-keys", keys["worker_keys"]]
             if c.metrics:
                 cmd += ["--metrics-port", "0"]
             name = "broker" if c.brokers == 1 else f"broker-{i}"
@@ -108,6 +118,9 @@ class LocalService:
             cmd = [sys.executable, "-m", "turbomq.worker.cli", "worker", "--model", c.model,
                    "--device", device, "--broker", backs, "--worker-id", f"worker-{i}",
                    "--log-level", c.log_level, *c.worker_args]
+            if keys:
+                cmd += ["--curve-secret", keys["worker_secrets"][i], "--broker-key",
+                        keys["broker_key"]]
             if redis_url:
                 cmd += ["--redis-url", redis_url]
             if not c.metrics:
@@ -116,7 +129,31 @@ class LocalService:
         for name, proc in self.procs:
             if name.startswith("worker-"):
                 workers.append(_read_json_line(proc, name, START_TIMEOUT_S))
-        return Running(brokers, redis_url, workers)
+        return Running(brokers, redis_url, workers,
+                       keys and {k: keys[k] for k in ("client_secret", "broker_key")})
+
+    def _keys(self) -> dict:
+        """Key pairs for the brokers (one, shared), each worker and a client,
+        and the allow-lists naming them."""
+        from turbomq.clients.keys import allow_line, new_keypair
+
+        folder = Path(self._tmpdir("turbomq-keys-"))
+        broker_key, broker_secret = new_keypair(folder, "broker")
+        workers = [new_keypair(folder, f"worker-{i}") for i in range(self.config.workers)]
+        client_key, client_secret = new_keypair(folder, "client")
+        (folder / "workers.allow").write_text(
+            "".join(allow_line(pub) + "\n" for pub, _ in workers))
+        (folder / "clients.allow").write_text(allow_line(client_key, "default") + "\n")
+        return {"broker_secret": str(broker_secret), "broker_key": str(broker_key),
+                "worker_secrets": [str(sec) for _, sec in workers],
+                "client_secret": str(client_secret), "client_key": str(client_key),
+                "worker_keys": str(folder / "workers.allow"),
+                "client_keys": str(folder / "clients.allow")}
+
+    def _tmpdir(self, prefix: str) -> str:
+        folder = tempfile.mkdtemp(prefix=prefix)
+        self._folders.append(folder)
+        return folder
 
     def _back(self, i: int) -> str:
         if self.config.back is not None:
@@ -179,7 +216,7 @@ class LocalService:
         for _, proc in self.procs:
             if proc.stdout is not None:
                 proc.stdout.close()
-        for folder in (self._tmp, self._ipc_dir):
+        for folder in (self._tmp, self._ipc_dir, *self._folders):
             if folder is not None:
                 shutil.rmtree(folder, ignore_errors=True)
 
@@ -203,6 +240,10 @@ def _describe(running: Running) -> str:
         port = b.get("metrics_port")
         lines.append(f"  broker   front {b['front']}, back {b['back']}"
                      + (f", metrics http://127.0.0.1:{port}/metrics" if port else ""))
+    if running.keys:
+        lines.append(f"  keys     CurveZMQ on every link; a client connects with "
+                     f"--curve-secret {running.keys['client_secret']} "
+                     f"--broker-key {running.keys['broker_key']}")
     lines.append(f"  redis    {running.redis_url}" if running.redis_url
                  else "  redis    none: sessions are per worker (in-process stores)")
     for w in running.workers:
@@ -212,11 +253,11 @@ def _describe(running: Running) -> str:
     return "\n".join(lines)
 
 
-def smoke(front, workers: int) -> str:
+def smoke(front, workers: int, curve=None) -> str:
     """Stream one generation through the real client; returns its text."""
     from turbomq.clients import Client, Final
 
-    with Client(front, timeout=60) as client:
+    with Client(front, timeout=60, curve=curve) as client:
         deadline = time.monotonic() + 30
         while client.health()["workers"] < workers:
             if time.monotonic() > deadline:
@@ -246,7 +287,11 @@ def run_up(config: UpConfig, smoke_test: bool = False) -> int:
         running = service.start()
         print(_describe(running), flush=True)
         if smoke_test:
-            smoke(running.fronts, config.workers)
+            curve = None
+            if running.keys:
+                from turbomq.clients import CurveClient
+                curve = CurveClient.load(running.keys["client_secret"], running.keys["broker_key"])
+            smoke(running.fronts, config.workers, curve)
             return 0
         print("Ctrl-C stops everything.", flush=True)
         while not stopping:

@@ -21,6 +21,7 @@ from typing import AbstractSet, Callable, Optional
 import zmq
 
 from turbomq.clients import protocol as P
+from turbomq.clients.keys import CurveClient
 from turbomq.clients.protocol import Kind, ProtocolError
 
 log = logging.getLogger("turbomq.worker.link")
@@ -28,9 +29,11 @@ log = logging.getLogger("turbomq.worker.link")
 
 class BrokerLink:
     def __init__(self, context: zmq.Context, endpoint: str, register: Callable[[], dict],
-                 limits: P.Limits = P.DEFAULT_LIMITS, index: int = 0):
+                 limits: P.Limits = P.DEFAULT_LIMITS, index: int = 0,
+                 curve: Optional[CurveClient] = None):
         self.ctx = context
         self.endpoint = endpoint
+        self.curve = curve  # CurveZMQ keys, when the broker asks for them
         self.index = index  # its place among the worker's brokers
         self._register = register  # builds the register message (ports may change)
         self.limits = limits
@@ -53,6 +56,8 @@ class BrokerLink:
             self.sock.close(0)
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        if self.curve is not None:
+            self.curve.apply(self.sock)
         self.sock.connect(self.endpoint)
         self.registered = False
         self.connects += 1

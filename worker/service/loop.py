@@ -26,6 +26,7 @@ import zmq
 from prometheus_client import CollectorRegistry
 
 from turbomq.clients import protocol as P
+from turbomq.clients.keys import CurveClient
 from turbomq.clients.protocol import Code, Kind
 from turbomq.monitoring import WorkerMetrics, serve_metrics
 
@@ -56,6 +57,10 @@ class WorkerConfig:
     metrics_host: str = "127.0.0.1"
     metrics_port: Optional[int] = 0  # 0: a free port; None: no metrics endpoint
     heartbeat_interval: float = 0.5  # until the broker's `registered` sets its own
+    # CurveZMQ (docs/security.md): this worker's NAME.key_secret and the
+    # broker's public NAME.key; both or neither.
+    curve_secret: Optional[str] = None
+    broker_key: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.model_id is None:
@@ -66,6 +71,8 @@ class WorkerConfig:
             raise ValueError("model_id must be 1..512 characters")
         if not self.brokers:
             raise ValueError("give at least one broker endpoint")
+        if bool(self.curve_secret) != bool(self.broker_key):
+            raise ValueError("CURVE needs both the worker's secret key and the broker's public key")
 
     @property
     def brokers(self) -> list[str]:
@@ -129,7 +136,9 @@ class WorkerService:
         self._wake_tx.connect(wake_addr)
         self._wake_pending = False
 
-        self.links = [BrokerLink(self.ctx, endpoint, self._register_msg, index=i)
+        curve = (CurveClient.load(config.curve_secret, config.broker_key)
+                 if config.curve_secret else None)
+        self.links = [BrokerLink(self.ctx, endpoint, self._register_msg, index=i, curve=curve)
                       for i, endpoint in enumerate(config.brokers)]
         for link in self.links:
             link.heartbeat_interval = config.heartbeat_interval

@@ -1,0 +1,118 @@
+"""CurveZMQ keys: who may talk to a broker, and over encrypted links.
+
+A key pair is two files in ZeroMQ's certificate format: NAME.key (the public
+key, safe to hand out) and NAME.key_secret (both keys; keep it private).
+`turbomq keys new DIR NAME` writes them. A broker admits the public keys its
+allow-lists name: text files with one `NAME PUBLIC_KEY` line per key (for a
+client key NAME is its tenant, for a worker key the worker's name); a line
+starting with `#` is a comment. docs/security.md describes the model."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Union
+
+import zmq
+import zmq.auth
+
+PathLike = Union[str, Path]
+
+
+class KeyFileError(ValueError):
+    """A key file or allow-list that cannot be used."""
+
+
+@dataclass(frozen=True)
+class KeyPair:
+    public: bytes  # Z85, 40 bytes
+    secret: Optional[bytes]  # None when only the public key was read
+
+    @classmethod
+    def load(cls, path: PathLike) -> "KeyPair":
+        try:
+            public, secret = zmq.auth.load_certificate(str(path))
+        except (OSError, ValueError) as e:
+            raise KeyFileError(f"cannot read the key file {path}: {e}") from None
+        if public is None or len(public) != 40 or (secret is not None and len(secret) != 40):
+            raise KeyFileError(f"{path} holds no CurveZMQ key")
+        return cls(public, secret)
+
+
+def new_keypair(directory: PathLike, name: str) -> tuple[Path, Path]:
+    """Write DIR/NAME.key and DIR/NAME.key_secret (mode 0600); returns both paths."""
+    if not name or "/" in name or name.startswith("."):
+        raise KeyFileError(f"bad key name {name!r}")
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    public, secret = zmq.auth.create_certificates(str(directory), name)
+    os.chmod(secret, 0o600)
+    return Path(public), Path(secret)
+
+
+def load_allow_list(path: PathLike) -> dict[str, str]:
+    """{Z85 public key: name} from a `NAME PUBLIC_KEY` per line file."""
+    keys: dict[str, str] = {}
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as e:
+        raise KeyFileError(f"cannot read the allow-list {path}: {e}") from None
+    for n, line in enumerate(lines, 1):
+        line = line.strip()
+        if not line or line.startswith("#"):  # (Z85 keys may hold a '#' themselves)
+            continue
+        parts = line.split()
+        if len(parts) != 2 or len(parts[1]) != 40:
+            raise KeyFileError(f"{path}:{n}: expected `NAME PUBLIC_KEY` (a 40-character Z85 key)")
+        name, key = parts
+        try:
+            zmq.utils.z85.decode(key)
+        except Exception:
+            raise KeyFileError(f"{path}:{n}: {key!r} is not a Z85 key") from None
+        keys[key] = name
+    return keys
+
+
+def allow_line(public_key_file: PathLike, name: Optional[str] = None) -> str:
+    """The allow-list line of a public key file (NAME defaults to the file's stem)."""
+    pair = KeyPair.load(public_key_file)
+    return f"{name or Path(public_key_file).name.split('.')[0]} {pair.public.decode()}"
+
+
+@dataclass(frozen=True)
+class CurveClient:
+    """The keys a client or worker connects with: its own pair and the
+    broker's public key."""
+    own: KeyPair
+    server_public: bytes
+
+    @classmethod
+    def load(cls, secret_file: PathLike, server_public_file: PathLike) -> "CurveClient":
+        own = KeyPair.load(secret_file)
+        if own.secret is None:
+            raise KeyFileError(f"{secret_file} holds no secret key (use NAME.key_secret)")
+        return cls(own, KeyPair.load(server_public_file).public)
+
+    def apply(self, sock: zmq.Socket) -> None:
+        """Before connect: encrypt, and authenticate to the broker with our key."""
+        sock.curve_serverkey = self.server_public
+        sock.curve_publickey = self.own.public
+        sock.curve_secretkey = self.own.secret
+
+
+def is_local_endpoint(endpoint: str) -> bool:
+    """ipc/inproc, or tcp on a loopback address: plain is fine there."""
+    transport, _, rest = endpoint.partition("://")
+    if transport in ("ipc", "inproc"):
+        return True
+    if transport != "tcp":
+        return False
+    host = rest.rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name or an interface (*, eth0): reachable from outside

@@ -32,6 +32,11 @@ class BrokerConfig:
     worker_keys: str = ""  # allow-list of worker keys: `NAME PUBLIC_KEY` lines
     # Plain mode is for loopback and ipc; on any other address it needs this.
     allow_plain: bool = False
+    # Per tenant (a client key's name on client_keys; plain mode: one tenant),
+    # 0 = no limit. Past a limit, new requests get the retryable rate_limited.
+    tenant_max_inflight: int = 0  # requests in flight
+    tenant_tokens_per_s: float = 0.0  # generated tokens per second, averaged over ...
+    tenant_token_burst_s: float = 10.0  # ... a bucket holding this many seconds of them
     send_hwm: int = 100_000  # per-peer outbound queue, in messages
     # After a burst of messages, keep polling (without sleeping) this long for
     # the next one before blocking: a reply that comes back soon is picked up
@@ -47,6 +52,8 @@ class BrokerConfig:
             raise ValueError("client_timeout and default_timeout must be > 0")
         if not 0 <= self.spin_us <= 1_000_000:
             raise ValueError("spin_us must be in [0, 1e6]")
+        if self.tenant_max_inflight < 0 or self.tenant_tokens_per_s < 0 or self.tenant_token_burst_s <= 0:
+            raise ValueError("tenant limits must be >= 0 (and the burst > 0)")
         if self.curve_secret and not (self.client_keys and self.worker_keys):
             raise ValueError("CURVE needs both allow-lists: client_keys and worker_keys")
         exposed = [e for e in (self.front, self.back) if not is_local_endpoint(e)]

@@ -137,7 +137,7 @@ class EchoWorker:
         elif kind == Kind.CANCEL:
             self._on_cancel(msg["request_id"], msg["attempt"])
         elif kind == Kind.END_SESSION:
-            self._on_end_session(msg["request_id"], msg["session_id"])
+            self._on_end_session(msg["request_id"], msg["session_id"], msg.get("tenant", ""))
 
     def _on_dispatch(self, msg: dict) -> None:
         source = msg.get("input_ids") or [ord(c) for c in msg["prompt"]]
@@ -153,8 +153,8 @@ class EchoWorker:
             self._send(P.error(req.key, Code.INVALID_REQUEST, "resume_tokens do not match "
                                "this echo's output", attempt=req.attempt))
             return
-        if req.session_id is not None:
-            self.sessions.add(req.session_id)
+        if req.session_id is not None:  # keyed by tenant, as the broker keys it
+            self.sessions.add(f"{msg.get('tenant', '')}:{req.session_id}")
         if len(self.active) < self.config.slots:
             self.active[req.key] = req
         else:
@@ -173,10 +173,10 @@ class EchoWorker:
             self._final(req, "cancelled")
         self._admit()
 
-    def _on_end_session(self, key: str, sid: str) -> None:
+    def _on_end_session(self, key: str, sid: str, tenant: str) -> None:
         self._event(event="end_session", request_id=key, session_id=sid)
-        if sid in self.sessions:
-            self.sessions.discard(sid)
+        if f"{tenant}:{sid}" in self.sessions:
+            self.sessions.discard(f"{tenant}:{sid}")
             self._send(P.session_ended(key, sid))
         else:
             self._send(P.error(key, Code.UNKNOWN_SESSION, f"no session {sid!r}"))

@@ -46,6 +46,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="allow-list of worker keys, `NAME PUBLIC_KEY` per line; re-read on change")
     p.add_argument("--allow-plain", action="store_true",
                    help="serve unauthenticated, unencrypted links on a non-loopback address")
+    p.add_argument("--tenant-max-inflight", type=int, default=d.tenant_max_inflight,
+                   help="requests in flight per tenant (0: no limit); past it: rate_limited")
+    p.add_argument("--tenant-tokens-per-s", type=float, default=d.tenant_tokens_per_s,
+                   help="generated tokens per second per tenant (0: no limit), over a bucket of "
+                        "--tenant-token-burst-s seconds; past it: rate_limited")
+    p.add_argument("--tenant-token-burst-s", type=float, default=d.tenant_token_burst_s)
     p.add_argument("--broker-id", default=d.broker_id,
                    help="this broker's id in pong/registered replies (default: random)")
     p.add_argument("--spin-us", type=float, default=d.spin_us,
@@ -123,7 +129,10 @@ def config_from_args(args: argparse.Namespace) -> BrokerConfig:
                         spin_us=args.spin_us, fail_fast=args.fail_fast,
                         broker_id=args.broker_id, curve_secret=args.curve_secret,
                         client_keys=args.client_keys, worker_keys=args.worker_keys,
-                        allow_plain=args.allow_plain)
+                        allow_plain=args.allow_plain,
+                        tenant_max_inflight=args.tenant_max_inflight,
+                        tenant_tokens_per_s=args.tenant_tokens_per_s,
+                        tenant_token_burst_s=args.tenant_token_burst_s)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -58,6 +58,7 @@ class ServerError(TurbomqError):
 
 _BY_CODE = {
     Code.OVERLOADED: Overloaded,
+    Code.RATE_LIMITED: Overloaded,  # this tenant's share, not the service, is full
     Code.NO_WORKERS: Unavailable,
     Code.WORKER_LOST: Unavailable,
     Code.SESSION_STORE_UNAVAILABLE: Unavailable,

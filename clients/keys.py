@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Union
@@ -19,6 +20,9 @@ import zmq
 import zmq.auth
 
 PathLike = Union[str, Path]
+# Names on allow-lists (tenants, workers): no ':', which separates a tenant
+# from a session id in the keys of sessions.
+_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
 class KeyFileError(ValueError):
@@ -67,6 +71,8 @@ def load_allow_list(path: PathLike) -> dict[str, str]:
         if len(parts) != 2 or len(parts[1]) != 40:
             raise KeyFileError(f"{path}:{n}: expected `NAME PUBLIC_KEY` (a 40-character Z85 key)")
         name, key = parts
+        if not _NAME.fullmatch(name):
+            raise KeyFileError(f"{path}:{n}: name {name!r} must be 1..64 of A-Z a-z 0-9 _ . -")
         try:
             zmq.utils.z85.decode(key)
         except Exception:

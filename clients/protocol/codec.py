@@ -20,7 +20,21 @@ def pack(msg: Mapping[str, Any]) -> bytes:
     return _packer.pack(msg)
 
 
-_unpackb = msgpack.unpackb
+class _RepeatedKey(ValueError):
+    pass
+
+
+def _unique_keys(pairs: list) -> dict:
+    """Maps whose keys repeat are refused: two readers (this one, the broker's
+    native one) could otherwise take different copies of the value."""
+    d = dict(pairs)
+    if len(d) != len(pairs):
+        raise _RepeatedKey("a map repeats a key")
+    return d
+
+
+def _unpackb(frame: bytes) -> Any:
+    return msgpack.unpackb(frame, object_pairs_hook=_unique_keys)
 
 
 def _reject_ext(code: int, data: bytes) -> Any:
@@ -37,7 +51,9 @@ def unpack(frame: bytes, limits: Limits = DEFAULT_LIMITS) -> dict:
                             f"frame of {len(frame)} bytes exceeds {limits.max_frame_bytes}")
     try:
         msg = msgpack.unpackb(frame, raw=False, strict_map_key=True, ext_hook=_reject_ext,
-                              timestamp=0, use_list=True)
+                              timestamp=0, use_list=True, object_pairs_hook=_unique_keys)
+    except _RepeatedKey as e:
+        raise ProtocolError(Code.BAD_FRAME, str(e)) from None
     except Exception as e:  # msgpack raises many types for bad input
         raise ProtocolError(Code.BAD_FRAME, f"not a msgpack frame: {type(e).__name__}") from None
     if type(msg) is not dict:

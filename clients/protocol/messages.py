@@ -31,8 +31,9 @@ def cancel(request_id: str, attempt: Optional[int] = None) -> dict:
     return _msg(Kind.CANCEL, request_id=request_id, attempt=attempt)
 
 
-def end_session(request_id: str, session_id: str) -> dict:
-    return _msg(Kind.END_SESSION, request_id=request_id, session_id=session_id)
+def end_session(request_id: str, session_id: str, tenant: Optional[str] = None) -> dict:
+    """Client -> broker without a tenant; broker -> worker with its client's."""
+    return _msg(Kind.END_SESSION, request_id=request_id, session_id=session_id, tenant=tenant)
 
 
 def health(request_id: str) -> dict:
@@ -126,11 +127,12 @@ def registered(heartbeat_interval: float, liveness: int, broker_id: Optional[str
 
 def dispatch(request_id: str, attempt: int, prompt: Optional[str], input_ids: Optional[list],
              session_id: Optional[str], params: dict, resume_tokens: list, resume_text: str,
-             timeout: Optional[float] = None, turn_id: Optional[str] = None) -> dict:
+             timeout: Optional[float] = None, turn_id: Optional[str] = None,
+             tenant: Optional[str] = None) -> dict:
     return _msg(Kind.DISPATCH, request_id=request_id, attempt=attempt, prompt=prompt,
                 input_ids=input_ids, session_id=session_id, params=params,
                 resume_tokens=resume_tokens, resume_text=resume_text, timeout=timeout,
-                turn_id=turn_id)
+                turn_id=turn_id, tenant=tenant)
 
 
 def reconnect() -> dict:

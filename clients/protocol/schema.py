@@ -52,13 +52,14 @@ class Code:
     UNKNOWN_SESSION = "unknown_session"
     SESSION_BUSY = "session_busy"
     SESSION_STORE_UNAVAILABLE = "session_store_unavailable"
+    RATE_LIMITED = "rate_limited"  # the client's tenant is at one of its limits
     INVALID_PARAMS = "invalid_params"
 
 
 ALL_CODES = frozenset(v for k, v in vars(Code).items() if k.isupper())
 # Retrying the same request later may succeed.
 RETRYABLE_CODES = frozenset({Code.OVERLOADED, Code.NO_WORKERS, Code.TIMEOUT, Code.WORKER_LOST,
-                             Code.SESSION_BUSY, Code.SESSION_STORE_UNAVAILABLE})
+                             Code.SESSION_BUSY, Code.SESSION_STORE_UNAVAILABLE, Code.RATE_LIMITED})
 
 FINISH_REASONS = frozenset({"stop", "length", "cancelled"})
 
@@ -88,6 +89,7 @@ class Limits:
     max_prompt_tokens: int = 65536
     max_prompt_chars: int = 262144
     max_id_chars: int = 128  # request ids, session ids, worker ids, model ids
+    max_tenant_chars: int = 64  # tenant names (the client key's name on the broker's list)
     max_new_tokens: int = 65536  # bound on params.max_tokens and on resume_tokens
     max_stop_strings: int = 16
     max_stop_chars: int = 256  # per stop string
@@ -113,6 +115,7 @@ def _fields(*names: str) -> frozenset:
 _NO_FIELDS = _fields()  # ping; heartbeat and reconnect to a worker
 _REQUEST_ID_ONLY = _fields("request_id")  # cancel, health, stats from a client
 _END_SESSION = _fields("request_id", "session_id")  # end_session and session_ended, all ways
+_END_SESSION_B = _fields("request_id", "session_id", "tenant")  # end_session, broker -> worker
 
 # client -> broker
 _GENERATE = _fields("request_id", "prompt", "input_ids", "session_id", "params", "stream", "timeout",
@@ -136,7 +139,7 @@ _FINAL_W = _fields("request_id", "attempt", "finish_reason", "usage", "token_ids
 # broker -> worker
 _REGISTERED_B = _fields("heartbeat_interval", "liveness", "broker_id")
 _DISPATCH = _fields("request_id", "attempt", "prompt", "input_ids", "session_id", "params",
-                    "resume_tokens", "resume_text", "timeout", "turn_id")
+                    "resume_tokens", "resume_text", "timeout", "turn_id", "tenant")
 _CANCEL_B = _fields("request_id", "attempt")
 
 # the `usage` map of a final (not a message: no v, no kind)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Optional
 
-from .schema import (_CANCEL_B, _DELTA_C, _DELTA_W, _DISPATCH, _END_SESSION, _ERROR, _FINAL_C,
+from .schema import (_CANCEL_B, _DELTA_C, _DELTA_W, _DISPATCH, _END_SESSION, _END_SESSION_B, _ERROR, _FINAL_C,
                      _FINAL_W, _GENERATE, _HEALTH_R, _HEARTBEAT_W, _NO_FIELDS, _REGISTER,
                      _PONG_R, _REGISTERED_B, _REQUEST_ID_ONLY, _STATS_R, _USAGE_KEYS, DEFAULT_LIMITS,
                      FINISH_REASONS, MAX_TOKEN_ID, Code, Kind, Limits, ProtocolError)
@@ -205,6 +205,13 @@ def _check_error(msg: dict, limits: Limits) -> None:
     _check_bool(msg, "retryable", required=True)
 
 
+def _b_end_session(msg: dict, limits: Limits) -> None:
+    _check_fields(msg, _END_SESSION_B)
+    _check_str(msg, "request_id", limits.max_id_chars)
+    _check_str(msg, "session_id", limits.max_id_chars)
+    _check_str(msg, "tenant", limits.max_tenant_chars, required=False, empty_ok=True)
+
+
 def _end_session(msg: dict, limits: Limits) -> None:
     """end_session and session_ended, in every direction."""
     _check_fields(msg, _END_SESSION)
@@ -349,7 +356,8 @@ def _check_sessions(msg: dict, name: str, limits: Limits) -> None:
     if type(v) is not list or len(v) > limits.max_heartbeat_sessions:
         raise _bad(msg, f"{name} must be a list of at most {limits.max_heartbeat_sessions} session ids")
     for s in v:
-        if type(s) is not str or not 0 < len(s) <= limits.max_id_chars:
+        # "tenant:session_id" keys: a tenant name, a colon, a session id
+        if type(s) is not str or not 0 < len(s) <= limits.max_tenant_chars + 1 + limits.max_id_chars:
             raise _bad(msg, f"{name} must hold session id strings")
 
 
@@ -446,6 +454,7 @@ def _b_dispatch(msg: dict, limits: Limits) -> None:
     _check_str(msg, "resume_text", limits.max_text_chars, empty_ok=True)
     _check_timeout(msg, limits)
     _check_str(msg, "turn_id", limits.max_id_chars, required=False)
+    _check_str(msg, "tenant", limits.max_tenant_chars, required=False, empty_ok=True)
 
 
 def _b_cancel(msg: dict, limits: Limits) -> None:
@@ -459,6 +468,6 @@ BROKER_COMMAND_CHECKS = {
     Kind.HEARTBEAT: _no_fields,
     Kind.DISPATCH: _b_dispatch,
     Kind.CANCEL: _b_cancel,
-    Kind.END_SESSION: _end_session,
+    Kind.END_SESSION: _b_end_session,
     Kind.RECONNECT: _no_fields,
 }

@@ -141,6 +141,9 @@ void bind_broker(py::module_& parent) {
       .def_readwrite("fail_fast", &BrokerSettings::fail_fast)
       .def_readwrite("broker_id", &BrokerSettings::broker_id)
       .def_readwrite("curve_secret_key", &BrokerSettings::curve_secret_key)
+      .def_readwrite("tenant_max_inflight", &BrokerSettings::tenant_max_inflight)
+      .def_readwrite("tenant_tokens_per_s", &BrokerSettings::tenant_tokens_per_s)
+      .def_readwrite("tenant_token_burst_s", &BrokerSettings::tenant_token_burst_s)
       .def_readwrite("limits", &BrokerSettings::limits)
       .def_readwrite("retryable_codes", &BrokerSettings::retryable_codes);
 

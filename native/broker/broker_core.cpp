@@ -149,6 +149,10 @@ void BrokerCore::drain(void* sock, Side side) {
     }
     ++stats_.messages_in;
     const std::string who(static_cast<const char*>(zmq_msg_data(&ident)), zmq_msg_size(&ident));
+    if (side == Side::Client) {  // the tenant CURVE admitted this connection under
+      const char* user = auth_ ? zmq_msg_gets(&payload, "User-Id") : nullptr;
+      tenant_.assign(user != nullptr ? user : "");
+    }
     const std::string_view frame(static_cast<const char*>(zmq_msg_data(&payload)),
                                  zmq_msg_size(&payload));
     try {
@@ -277,7 +281,10 @@ std::optional<Rejection> BrokerCore::accept(Side side, std::string_view frame) {
     return std::nullopt;
   std::optional<Rejection> rejected = hooks_.validate(side, frame);
   if (!rejected && !parsed && !doc_.parse(frame.data(), frame.size()))
-    throw std::runtime_error("a frame the protocol accepts did not parse");
+    // The protocol accepts what this reader cannot (nesting past its depth):
+    // refuse it plainly rather than leave the sender waiting.
+    return Rejection{"bad_frame", "the broker cannot read this frame (nested too deep)",
+                     std::nullopt};
   return rejected;
 }
 

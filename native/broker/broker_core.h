@@ -44,6 +44,10 @@ struct BrokerSettings {
   // CurveZMQ: the broker's secret key (Z85, 40 characters). Set, both sockets
   // encrypt and admit only the public keys allow() lists; empty: plain.
   std::string curve_secret_key;
+  // Per-tenant limits (0: none); past one, new requests get rate_limited.
+  int64_t tenant_max_inflight = 0;
+  double tenant_tokens_per_s = 0.0;  // generated tokens, a bucket of this rate ...
+  double tenant_token_burst_s = 10.0;  // ... holding this many seconds of it
   ProtocolLimits limits;
   std::vector<std::string> retryable_codes;  // protocol.RETRYABLE_CODES
 };
@@ -124,6 +128,8 @@ class BrokerCore {
   void on_generate(const std::string& client, const ClientRequest& req, double now);
   void refuse(const std::string& client, std::string_view request_id, const std::string& code,
               const std::string& message);
+  // Whether `tenant` may not start a request now (why says so).
+  bool over_tenant_limit(const std::string& tenant, double now, std::string& why);
   WorkerPtr pick(const std::string* session_id);
   void dispatch(const PendingPtr& p, const WorkerPtr& worker, double now);
   void drain_queue();
@@ -173,6 +179,16 @@ class BrokerCore {
   std::unordered_map<std::string, WorkerPtr> affinity_;  // session -> worker holding its KV
   std::unordered_set<std::string> busy_sessions_;
   std::map<std::string, std::shared_ptr<PendingEnd>> pending_ends_;
+  // The tenant of the client message being handled: the User-Id its CURVE
+  // key was admitted under ("" in plain mode). Sessions are keyed
+  // "tenant:session_id" everywhere, so tenants never meet.
+  std::string tenant_;
+  struct TenantUse {
+    int64_t inflight = 0;
+    double tokens = 0.0;  // the token bucket's level
+    double refilled = 0.0;  // when it was last topped up
+  };
+  std::unordered_map<std::string, TenantUse> tenants_;
   std::unordered_set<std::string> retryable_;
   uint64_t next_key_ = 0;
 

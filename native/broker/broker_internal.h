@@ -53,7 +53,9 @@ struct BrokerCore::Pending {
   std::string prompt_or_ids, params;  // encoded, as the client sent them
   bool stream = false;
   bool has_session = false;
-  std::string session_id;
+  std::string session_id;   // the client's
+  std::string tenant;       // its client's tenant ("" in plain mode)
+  std::string session_key;  // "tenant:session_id": affinity and busy sessions use it
   double arrived = 0.0, deadline = 0.0;
   double queued_at = -1.0;  // when it entered the queue; < 0: not queued
   WorkerPtr worker;
@@ -68,7 +70,7 @@ struct BrokerCore::Pending {
 
 // An end_session waiting for the worker's answer.
 struct BrokerCore::PendingEnd {
-  std::string client, request_id, session_id;
+  std::string client, request_id, session_id, session_key;
   WorkerPtr worker;
   double deadline = 0.0;
 };

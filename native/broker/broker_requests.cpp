@@ -37,6 +37,7 @@ void BrokerCore::on_delta(const WorkerPtr& worker, const WorkerMessage& msg) {
     }
   }
   delivered.insert(delivered.end(), tokens, tokens + n);
+  if (settings_.tenant_tokens_per_s > 0.0) tenants_[p->tenant].tokens -= static_cast<double>(n);
   if (n == 0 && msg.text.empty()) return;
   p->text.append(msg.text);
   if (p->stream) {
@@ -53,6 +54,8 @@ void BrokerCore::on_final(const WorkerPtr& worker, const WorkerMessage& msg) {
   // A final has no index: its tokens follow the last delta's.
   const int64_t start = static_cast<int64_t>(p->delivered.size());
   p->delivered.insert(p->delivered.end(), msg.token_ids.begin(), msg.token_ids.end());
+  if (settings_.tenant_tokens_per_s > 0.0)
+    tenants_[p->tenant].tokens -= static_cast<double>(msg.token_ids.size());
   std::string text;
   if (p->stream) {
     p->text.append(msg.text);
@@ -112,7 +115,10 @@ void BrokerCore::release(const PendingPtr& p) {
     p->worker->inflight.erase(p->key);
     p->worker = nullptr;
   }
-  if (p->has_session) busy_sessions_.erase(p->session_id);
+  if (p->has_session) busy_sessions_.erase(p->session_key);
+  if (auto u = tenants_.find(p->tenant); u != tenants_.end() && --u->second.inflight <= 0 &&
+                                          settings_.tenant_tokens_per_s <= 0.0)
+    tenants_.erase(u);  // nothing to remember for it
   if (!queue_.empty()) drain_queue();
 }
 

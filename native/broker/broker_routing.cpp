@@ -22,6 +22,26 @@ std::string hex(uint64_t v) {
 }
 }  // namespace
 
+bool BrokerCore::over_tenant_limit(const std::string& tenant, double t, std::string& why) {
+  TenantUse& use = tenants_[tenant];
+  if (settings_.tenant_max_inflight > 0 && use.inflight >= settings_.tenant_max_inflight) {
+    why = "tenant has " + std::to_string(use.inflight) + " requests in flight, its limit";
+    return true;
+  }
+  const double rate = settings_.tenant_tokens_per_s;
+  if (rate > 0.0) {
+    const double cap = rate * settings_.tenant_token_burst_s;
+    use.tokens = use.refilled == 0.0 ? cap : std::min(cap, use.tokens + (t - use.refilled) * rate);
+    use.refilled = t;
+    if (use.tokens <= 0.0) {
+      why = "tenant is over its rate of " + std::to_string(static_cast<int64_t>(rate)) +
+            " tokens/s; retry in " + std::to_string(-use.tokens / rate + 0.1).substr(0, 4) + " s";
+      return true;
+    }
+  }
+  return false;
+}
+
 void BrokerCore::refuse(const std::string& client, std::string_view request_id,
                         const std::string& code, const std::string& message) {
   ++stats_.outcomes[code];
@@ -32,14 +52,17 @@ void BrokerCore::on_generate(const std::string& client, const ClientRequest& req
   ++stats_.requests_received;
   const std::string rid(req.request_id);
   const std::string sid(req.session_id);
+  const std::string skey = tenant_ + ":" + sid;
   if (by_client_.count({client, rid}))
     return refuse(client, rid, "duplicate_request", "request id " + quoted(rid) + " is already in flight");
-  if (req.has_session && busy_sessions_.count(sid))
+  if (req.has_session && busy_sessions_.count(skey))
     return refuse(client, rid, "session_busy",
                   "session " + quoted(sid) + " already has a request in flight");
+  if (std::string why; over_tenant_limit(tenant_, t, why))
+    return refuse(client, rid, "rate_limited", why);
   if (workers_.empty() && settings_.fail_fast)
     return refuse(client, rid, "no_workers", "no worker is connected");
-  WorkerPtr worker = pick(req.has_session ? &sid : nullptr);
+  WorkerPtr worker = pick(req.has_session ? &skey : nullptr);
   if (!worker && static_cast<int64_t>(queue_.size()) >= settings_.queue_bound)
     return refuse(client, rid, "overloaded",
                   "every worker is busy and " + std::to_string(queue_.size()) + " requests are queued");
@@ -54,6 +77,9 @@ void BrokerCore::on_generate(const std::string& client, const ClientRequest& req
   p->stream = req.stream;
   p->has_session = req.has_session;
   p->session_id = sid;
+  p->tenant = tenant_;
+  p->session_key = skey;
+  ++tenants_[tenant_].inflight;
   p->arrived = t;
   p->deadline = t + (req.timeout > 0 ? req.timeout : settings_.default_timeout);
   p->delivered = req.resume_tokens;  // a resumed request continues after these
@@ -62,7 +88,7 @@ void BrokerCore::on_generate(const std::string& client, const ClientRequest& req
   requests_[p->key] = p;
   by_client_[{client, rid}] = p;
   client_requests_[client].insert(p->key);
-  if (p->has_session) busy_sessions_.insert(sid);
+  if (p->has_session) busy_sessions_.insert(skey);
   if (!worker) {
     p->queued_at = t;
     queue_.push_back(p);
@@ -93,12 +119,9 @@ void BrokerCore::dispatch(const PendingPtr& p, const WorkerPtr& worker, double t
     if (hooks_.tick) queue_waits_.push_back(t - p->queued_at);
     p->queued_at = -1.0;
   }
-  ++p->attempt;
-  p->worker = worker;
-  worker->inflight[p->key] = p;
-  msgpack::Writer w = begin_message("dispatch", p->has_session ? 9 : 8);
+  msgpack::Writer w = begin_message("dispatch", p->has_session ? 10 : 9);
   key(w, "request_id"); w.str(p->key);
-  key(w, "attempt"); w.integer(p->attempt);
+  key(w, "attempt"); w.integer(p->attempt + 1);
   key(w, p->has_prompt ? "prompt" : "input_ids"); w.raw(p->prompt_or_ids);
   key(w, "params");
   if (p->params.empty()) w.map(0); else w.raw(p->params);
@@ -109,21 +132,35 @@ void BrokerCore::dispatch(const PendingPtr& p, const WorkerPtr& worker, double t
   // The client's id: the same whichever broker sends the turn, so a worker
   // can tell a re-sent turn that was committed already.
   key(w, "turn_id"); w.str(p->request_id);
-  const char* decision = "stateless";
+  key(w, "tenant"); w.str(p->tenant);  // the worker keys the session by tenant too
   if (p->has_session) {
     key(w, "session_id"); w.str(p->session_id);
-    auto it = affinity_.find(p->session_id);
-    decision = it == affinity_.end() ? "new" : it->second == worker ? "affinity" : "moved";
-    affinity_[p->session_id] = worker;
   }
-  send_worker(worker, w.take());
+  std::string frame = w.take();
+  if (static_cast<int64_t>(frame.size()) > settings_.limits.max_frame_bytes) {
+    // The broker's fields took a frame near the limit over it; a worker would
+    // drop it unread. Answer now instead of holding a slot until the deadline.
+    return fail(p, "frame_too_large",
+                "the request is " + std::to_string(frame.size()) + " bytes with the broker's "
+                "fields, over max_frame_bytes = " + std::to_string(settings_.limits.max_frame_bytes));
+  }
+  ++p->attempt;
+  p->worker = worker;
+  worker->inflight[p->key] = p;
+  const char* decision = "stateless";
+  if (p->has_session) {
+    auto it = affinity_.find(p->session_key);
+    decision = it == affinity_.end() ? "new" : it->second == worker ? "affinity" : "moved";
+    affinity_[p->session_key] = worker;
+  }
+  send_worker(worker, frame);
   ++stats_.routing[decision];
 }
 
 void BrokerCore::drain_queue() {
   while (!queue_.empty()) {
     PendingPtr p = queue_.front();
-    WorkerPtr worker = pick(p->has_session ? &p->session_id : nullptr);
+    WorkerPtr worker = pick(p->has_session ? &p->session_key : nullptr);
     if (!worker) return;
     queue_.pop_front();
     dispatch(p, worker, now());
@@ -159,12 +196,13 @@ void BrokerCore::on_cancel(const std::string& client, std::string_view request_i
 // ---------------------------------------------------------- end_session
 void BrokerCore::on_end_session(const std::string& client, const ClientRequest& req) {
   const std::string rid(req.request_id), sid(req.session_id);
-  if (busy_sessions_.count(sid)) {
+  const std::string skey = tenant_ + ":" + sid;
+  if (busy_sessions_.count(skey)) {
     reply_error(client, rid, "session_busy", "session " + quoted(sid) + " has a request in flight");
     return;
   }
   WorkerPtr worker;
-  auto it = affinity_.find(sid);
+  auto it = affinity_.find(skey);
   if (it != affinity_.end() && it->second->alive) {
     worker = it->second;
   } else {  // any worker can drop a session: the token store is shared
@@ -180,12 +218,14 @@ void BrokerCore::on_end_session(const std::string& client, const ClientRequest& 
   end->client = client;
   end->request_id = rid;
   end->session_id = sid;
+  end->session_key = skey;
   end->worker = worker;
   end->deadline = now() + settings_.cancel_grace * 5;
   pending_ends_[end_key] = end;
-  msgpack::Writer w = begin_message("end_session", 2);
+  msgpack::Writer w = begin_message("end_session", 3);
   key(w, "request_id"); w.str(end_key);
   key(w, "session_id"); w.str(sid);
+  key(w, "tenant"); w.str(tenant_);
   send_worker(worker, w.take());
 }
 
@@ -202,8 +242,8 @@ void BrokerCore::on_session_ended(const std::string& end_key, const WorkerMessag
                                          error->message, error->retryable));
     return;
   }
-  affinity_.erase(end->session_id);
-  for (const WorkerPtr& w : workers_) w->sessions.erase(end->session_id);
+  affinity_.erase(end->session_key);
+  for (const WorkerPtr& w : workers_) w->sessions.erase(end->session_key);
   msgpack::Writer w = begin_message("session_ended", 2);
   key(w, "request_id"); w.str(end->request_id);
   key(w, "session_id"); w.str(end->session_id);

@@ -1,5 +1,8 @@
 #include "msgpack_lite.h"
 
+#include <string>
+#include <unordered_set>
+
 #include <cstring>
 
 namespace turbomq::msgpack {
@@ -162,10 +165,25 @@ int32_t Document::parse_one(int depth) {
       else nodes_[prev].next = child;
       prev = child;
     }
+    if (nodes_[index].type == Type::Map && !keys_unique(nodes_[index])) return -1;
   }
   nodes_[index].begin = begin;
   nodes_[index].end = p_;
   return index;
+}
+
+bool Document::keys_unique(const Node& map) const {
+  // As the protocol's decoder: keys are str or bin, each once (a repeated
+  // key would let two readers take different copies).
+  std::unordered_set<std::string> seen;
+  for (int32_t k = map.first; k >= 0; k = nodes_[nodes_[k].next].next) {
+    const Node& key = nodes_[k];
+    if (key.type != Type::Str && key.type != Type::Bin) return false;
+    std::string tagged(1, key.type == Type::Str ? 's' : 'b');
+    tagged.append(key.bytes);
+    if (!seen.insert(std::move(tagged)).second) return false;
+  }
+  return true;
 }
 
 const Node* Document::get(const Node& map, std::string_view key) const {

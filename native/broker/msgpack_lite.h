@@ -33,7 +33,8 @@ struct Node {
 
 class Document {
  public:
-  // False unless `data` holds exactly one well-formed object no deeper than max_depth.
+  // False unless `data` holds exactly one well-formed object no deeper than
+  // max_depth whose maps have str or bin keys, none repeated.
   bool parse(const char* data, size_t size, int max_depth = 32);
 
   const Node& root() const { return nodes_[0]; }
@@ -45,6 +46,7 @@ class Document {
 
  private:
   int32_t parse_one(int depth);
+  bool keys_unique(const Node& map) const;
 
   std::vector<Node> nodes_;
   const char* p_ = nullptr;

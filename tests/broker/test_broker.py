@@ -345,6 +345,42 @@ def test_stalled_worker_never_delivers_twice_or_out_of_order(service, client_for
     assert c.stats()["workers_registered"] == 3
 
 
+def _map_with_repeated_key(pairs: list) -> bytes:
+    """A msgpack map written pair by pair, so a key may repeat."""
+    packer = msgpack.Packer(use_bin_type=True)
+    return packer.pack_map_header(len(pairs)) + b"".join(
+        packer.pack(k) + packer.pack(v) for k, v in pairs)
+
+
+def test_repeated_keys_and_near_limit_frames_get_a_clear_error(service, client_for):
+    # Three frames that once got no answer, or two verdicts: each is now
+    # answered with an error at once, and the broker serves on.
+    svc = service(**{"max-frame-bytes": 4096})
+    svc.add_worker("w", slots=2)
+    c = client_for(svc)
+    svc.wait_workers(c, 1)
+    deep: object = 1
+    for _ in range(40):
+        deep = [deep]
+    base = [("v", 1), ("kind", "generate"), ("request_id", "r"), ("input_ids", [1, 2])]
+    frames = [
+        # the first copy of a repeated key nests deeper than the native reader goes
+        _map_with_repeated_key(base + [("params", {"stop": deep}), ("params", {"max_tokens": 2})]),
+        # the first copy holds a map with a non-string key
+        _map_with_repeated_key(base + [("params", {1: 2}), ("params", {"max_tokens": 2})]),
+        # a generate a few bytes under the limit: the broker's dispatch would be over it
+        P.pack(P.generate("r", prompt="x" * (4096 - 75), params={"max_tokens": 2})),
+    ]
+    assert len(frames[2]) <= 4096
+    for frame in frames:
+        [reply] = raw_replies(svc.front, [frame], 1)
+        assert reply["kind"] == "error", reply
+    assert [r["code"] for r in (raw_replies(svc.front, [f], 1)[0] for f in frames)] == \
+        ["bad_frame", "bad_frame", "frame_too_large"]
+    assert c.generate(input_ids=[3], max_tokens=2).token_ids == [3, 3]
+    assert c.stats()["inflight"] == 0  # no slot held by any of them
+
+
 def raw_replies(front: str, frames: list, n: int, within: float = 5.0) -> list:
     """Send frames on a bare DEALER and read n replies (no client-side retries)."""
     sock = zmq.Context.instance().socket(zmq.DEALER)

@@ -164,3 +164,22 @@ def test_fast_paths_agree_with_the_full_checks(decode, checks):
         assert fast == outcome(lambda f: P._decode(f, checks, P.DEFAULT_LIMITS), frame)
         accepted += fast[0] == "ok"
     assert accepted >= len(hot)
+
+
+def test_repeated_keys_are_refused_at_any_depth():
+    packer = msgpack.Packer(use_bin_type=True)
+
+    def repeated(pairs):
+        return packer.pack_map_header(len(pairs)) + b"".join(
+            packer.pack(k) + packer.pack(v) for k, v in pairs)
+
+    top = repeated([("v", 1), ("kind", "ping"), ("kind", "ping")])
+    nested = repeated([("v", 1), ("kind", "generate"), ("request_id", "r"), ("input_ids", [1]),
+                       ("params", {"max_tokens": 2})])[:-len(packer.pack({"max_tokens": 2}))]
+    nested += packer.pack_map_header(2) + packer.pack("max_tokens") + packer.pack(2) \
+        + packer.pack("max_tokens") + packer.pack(3)
+    for frame in (top, nested):
+        for decode in DECODERS:
+            with pytest.raises(ProtocolError) as info:
+                decode(frame)
+            assert info.value.code == Code.BAD_FRAME and "repeats a key" in info.value.message

@@ -17,6 +17,7 @@ from test_service import (GREEDY, client_for, cluster, expected_session,  # noqa
 from turbomq.worker import SamplingParams
 from turbomq.clients import Delta, Unavailable
 from turbomq.clients import protocol as P
+from turbomq.worker.service.loop import session_key
 from turbomq.worker.service.redis_store import RedisSessionStore
 
 
@@ -98,7 +99,7 @@ def test_redis_down_then_back(cluster, client_for, redis_server):
     assert session.send(turns[3]).token_ids == want[3]
     store = RedisSessionStore(redis_server.url, model_id="demo")
     try:
-        history = store.get_tokens("chat")
+        history = store.get_tokens(session_key("", "chat"))  # plain mode: tenant ""
     finally:
         store.close()
     assert history is not None and history[-6:] == want[3]
@@ -136,7 +137,7 @@ def test_broker_restart_mid_turn_every_turn_once(cluster, client_for, redis_serv
     assert client.stats()["routing"].get("affinity", 0) >= len(names)
     store = RedisSessionStore(redis_server.url, model_id="demo")
     try:
-        histories = [store.get_tokens(name) for name in names]
+        histories = [store.get_tokens(session_key("", name)) for name in names]
     finally:
         store.close()
     reference = reference_engine()

@@ -41,6 +41,12 @@ log = logging.getLogger("turbomq.worker.service")
 VERSION = "0.1.0"
 
 
+def session_key(tenant: str, session_id: str) -> str:
+    """Where a session lives on this worker and in Redis: under its tenant, so
+    two tenants' sessions of one id never meet (docs/security.md)."""
+    return f"{tenant}:{session_id}"
+
+
 def _default_worker_id() -> str:
     return "worker-" + uuid.uuid4().hex[:8]
 
@@ -86,7 +92,7 @@ class _InFlight:
     link: BrokerLink  # the broker that dispatched it
     key: str  # the broker's request id
     attempt: int
-    session_id: Optional[str]
+    session_id: Optional[str]  # the session's key here: "tenant:session_id"
     next_index: int  # position in the completion of the next token sent
     arrived: float
     last_token_at: Optional[float] = None
@@ -316,7 +322,9 @@ class WorkerService:
             elif kind == Kind.CANCEL:
                 self._on_cancel(link, msg["request_id"], msg["attempt"])
             elif kind == Kind.END_SESSION:
-                self._on_end_session(link, msg["request_id"], msg["session_id"])
+                self._on_end_session(link, msg["request_id"],
+                                     session_key(msg.get("tenant", ""), msg["session_id"]),
+                                     msg["session_id"])
         except Exception as e:  # a bug on one message must not stop the worker
             log.exception("failed to handle %s", msg.get("kind"))
             if msg.get("kind") in (Kind.DISPATCH, Kind.END_SESSION):
@@ -329,6 +337,8 @@ class WorkerService:
         if (link.index, key, attempt) in self._engine_ids:
             return  # a repeated dispatch: the first one is running
         sid = msg.get("session_id")
+        if sid is not None:
+            sid = session_key(msg.get("tenant", ""), sid)
         if sid is not None and self._supersede(link, sid, msg):
             return
         engine_id = f"{link.index}.{link.connects}.{next(self._ids)}.{key}"
@@ -393,15 +403,18 @@ class WorkerService:
         except errors.UnknownRequest:
             pass  # it finished meanwhile; that final is on its way
 
-    def _on_end_session(self, link: BrokerLink, key: str, session_id: str) -> None:
+    def _on_end_session(self, link: BrokerLink, key: str, session_id: str, client_sid: str) -> None:
         try:
             self.engine.end_session(session_id)
+        except errors.UnknownSession:  # in the client's terms: no tenant prefix
+            link.send(P.error(key, Code.UNKNOWN_SESSION, f"no session {client_sid!r}", False))
+            return
         except errors.EngineError as e:
             link.send(P.error(key, e.code, str(e), e.retryable))
             return
         stats, resident = self._snapshot
         self._snapshot = (stats, resident - {session_id})
-        link.send(P.session_ended(key, session_id))
+        link.send(P.session_ended(key, client_sid))
 
     def _abandon(self, link: BrokerLink) -> None:
         """The broker re-dispatches whatever this connection had (or its

@@ -1,7 +1,8 @@
-"""CurveZMQ on both broker links, with real processes and sockets: only the
-keys on the allow-lists get a connection, a rogue worker gets no dispatch,
-an unknown client gets nothing, the lists reload without a restart, and
-plain mode is refused on a non-loopback address (docs/security.md)."""
+"""Security at the broker, with real processes and sockets: CurveZMQ on both
+links (only the keys on the allow-lists get a connection, a rogue worker gets
+no dispatch, an unknown client gets nothing, the lists reload without a
+restart, plain mode is refused on a non-loopback address) and tenants
+(sessions scoped by tenant, per-tenant limits). docs/security.md."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 import zmq
 
-from turbomq.clients import Client, CurveClient, Timeout
+from turbomq.clients import Client, CurveClient, Overloaded, Timeout, UnknownSession
 from turbomq.clients import protocol as P
 from turbomq.clients.keys import allow_line, is_local_endpoint, load_allow_list, new_keypair
 
@@ -26,18 +27,24 @@ PY = sys.executable
 @pytest.fixture
 def keys(tmp_path):
     d = tmp_path / "keys"
-    made = {name: new_keypair(d, name) for name in ("broker", "w1", "rogue", "alice", "mallory")}
+    made = {name: new_keypair(d, name)
+            for name in ("broker", "w1", "rogue", "alice", "bob", "mallory")}
     (d / "workers.allow").write_text(allow_line(made["w1"][0]) + "\n")
-    (d / "clients.allow").write_text(allow_line(made["alice"][0], "tenant-a") + "\n")
+    (d / "clients.allow").write_text(allow_line(made["alice"][0], "tenant-a") + "\n" +
+                                     allow_line(made["bob"][0], "tenant-b") + "\n")
     return d, made
+
+
+def secure_service(tmp_path, keys, **flags) -> Service:
+    d, _ = keys
+    return Service(tmp_path, **{"curve-secret": d / "broker.key_secret",
+                                "client-keys": d / "clients.allow",
+                                "worker-keys": d / "workers.allow", **flags})
 
 
 @pytest.fixture
 def secure(tmp_path, keys):
-    d, _ = keys
-    svc = Service(tmp_path, **{"curve-secret": d / "broker.key_secret",
-                               "client-keys": d / "clients.allow",
-                               "worker-keys": d / "workers.allow"})
+    svc = secure_service(tmp_path, keys)
     yield svc
     svc.close()
 
@@ -135,3 +142,70 @@ def test_plain_mode_needs_a_flag_off_loopback():
                          timeout=60)
     assert out.returncode == 2 and "--allow-plain" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_tenants_never_meet_in_a_session_id(secure, keys):
+    d, _ = keys
+    echo_worker(secure, d, "w1", "w1")
+    secure.workers["w1"].kill()  # restart it slowly, so a turn stays in flight
+    secure.workers["w1"].wait(5)
+    secure.workers["w1"] = secure._spawn([PY, "-m", "turbomq.broker.echo_worker", "--broker",
+                                          secure.back, "--worker-id", "w1", "--slots", "4",
+                                          "--delay", "0.05", "--curve-secret",
+                                          str(d / "w1.key_secret"), "--broker-key",
+                                          str(d / "broker.key")])
+    with client(d, "alice", secure.front) as alice, client(d, "bob", secure.front) as bob:
+        secure.wait_workers(alice, 1)
+        # The same session id, at the same time: no session_busy across tenants.
+        a = alice.generate(input_ids=[1, 2], session_id="chat", max_tokens=20, stream=True)
+        b = bob.generate(input_ids=[3, 4], session_id="chat", max_tokens=5)
+        assert b.token_ids == expected_echo([3, 4], 5)
+        assert [t for e in a if hasattr(e, "token_ids") for t in e.token_ids] == \
+            expected_echo([1, 2], 20)
+        # Without scoping, Bob's turn would have been refused as session_busy.
+        assert "session_busy" not in alice.stats()["requests_by_outcome"]
+        # Bob ends "chat": his own. Alice's session of that id is untouched.
+        bob.end_session("chat")
+        with pytest.raises(UnknownSession):
+            bob.end_session("chat")
+        alice.end_session("chat")
+
+
+def test_per_tenant_limits_answer_rate_limited(tmp_path, keys):
+    d, _ = keys
+    svc = secure_service(tmp_path, keys, **{"tenant-max-inflight": 1})
+    try:
+        svc._spawn([PY, "-m", "turbomq.broker.echo_worker", "--broker", svc.back,
+                    "--worker-id", "w1", "--slots", "4", "--delay", "0.05",
+                    "--curve-secret", str(d / "w1.key_secret"), "--broker-key",
+                    str(d / "broker.key")])
+        with client(d, "alice", svc.front) as alice, client(d, "bob", svc.front) as bob:
+            svc.wait_workers(alice, 1)
+            running = alice.generate(input_ids=[1], max_tokens=20, stream=True)
+            next(running)
+            with pytest.raises(Overloaded) as info:
+                alice.generate(input_ids=[2], max_tokens=2)
+            assert info.value.code == "rate_limited" and info.value.retryable
+            assert bob.generate(input_ids=[2], max_tokens=2).token_ids == [2, 2]  # not bob's
+            list(running)
+            assert alice.generate(input_ids=[2], max_tokens=2).token_ids == [2, 2]
+    finally:
+        svc.close()
+
+
+def test_per_tenant_token_rate(tmp_path, keys):
+    d, _ = keys
+    svc = secure_service(tmp_path, keys, **{"tenant-tokens-per-s": 10, "tenant-token-burst-s": 2})
+    try:
+        svc._spawn([PY, "-m", "turbomq.broker.echo_worker", "--broker", svc.back,
+                    "--worker-id", "w1", "--slots", "4", "--curve-secret",
+                    str(d / "w1.key_secret"), "--broker-key", str(d / "broker.key")])
+        with client(d, "alice", svc.front) as alice, client(d, "bob", svc.front) as bob:
+            svc.wait_workers(alice, 1)
+            assert len(alice.generate(input_ids=[1], max_tokens=40).token_ids) == 40
+            with pytest.raises(Overloaded) as info:  # 40 tokens against a bucket of 20
+                alice.generate(input_ids=[1], max_tokens=2)
+            assert info.value.code == "rate_limited" and "tokens/s" in info.value.message
+            assert bob.generate(input_ids=[2], max_tokens=2).token_ids == [2, 2]
+    finally:
+        svc.close()

@@ -108,6 +108,53 @@ class CurveClient:
         sock.curve_secretkey = self.own.secret
 
 
+def init_deployment(directory: PathLike) -> list[Path]:
+    """The keys and secrets of one deployment (compose runs this on first
+    start): broker, worker and client key pairs, the allow-lists naming them
+    (the client as tenant `default`), a Redis password with the redis.conf
+    that requires it (ACL user `turbomq`; the default user off) and a Grafana
+    admin password. Files already there are kept; returns those written."""
+    import secrets
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    written: list[Path] = []
+    for name in ("broker", "worker", "client"):
+        if not (directory / f"{name}.key_secret").exists():
+            written += new_keypair(directory, name)
+
+    def put(name: str, text: str, private: bool = True) -> None:
+        path = directory / name
+        if not path.exists():
+            path.write_text(text)
+            os.chmod(path, 0o600 if private else 0o644)
+            written.append(path)
+
+    put("workers.allow", allow_line(directory / "worker.key") + "\n", private=False)
+    put("clients.allow", allow_line(directory / "client.key", "default") + "\n", private=False)
+    put("redis.password", secrets.token_urlsafe(24) + "\n")
+    password = (directory / "redis.password").read_text().strip()
+    # Read by the redis and grafana containers' own (non-root) users.
+    put("redis.conf", f"user default off\nuser turbomq on >{password} ~* &* +@all\n",
+        private=False)
+    put("grafana.password", secrets.token_urlsafe(18) + "\n", private=False)
+    return written
+
+
+def with_password(url: str, password_file: PathLike) -> str:
+    """`url` with the password read from a file (kept out of command lines)."""
+    from urllib.parse import quote, urlsplit, urlunsplit
+
+    password = Path(password_file).read_text().strip()
+    parts = urlsplit(url)
+    user = quote(parts.username or "", safe="")
+    host = parts.hostname or ""
+    if parts.port is not None:
+        host = f"{host}:{parts.port}"
+    netloc = f"{user}:{quote(password, safe='')}@{host}"
+    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+
+
 def is_local_endpoint(endpoint: str) -> bool:
     """ipc/inproc, or tcp on a loopback address: plain is fine there."""
     transport, _, rest = endpoint.partition("://")

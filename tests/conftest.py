@@ -65,10 +65,17 @@ class RedisServer:
     dir: Path
     port: int = field(default_factory=free_port)
     proc: Optional[subprocess.Popen] = None
+    # ACL: only this user, with this password (the default user is off).
+    user: Optional[str] = None
+    password: Optional[str] = None
+    tls: bool = False  # TLS only (a self-signed certificate in dir)
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        auth = f"{self.user}:{self.password}@" if self.user else ""
+        if self.tls:
+            return f"rediss://{auth}127.0.0.1:{self.port}/0?ssl_ca_certs={self.dir / 'cert.pem'}"
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
 
     @property
     def running(self) -> bool:
@@ -77,10 +84,25 @@ class RedisServer:
     def start(self, timeout: float = 10) -> None:
         assert not self.running, "redis-server already running"
         binary = require_binary("redis-server")
-        args = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
+        args = [binary, "--bind", "127.0.0.1", "--dir", str(self.dir),
                 "--appendonly", "yes", "--appendfsync", "always", "--save", "",
                 "--daemonize", "no", "--protected-mode", "yes", "--loglevel", "warning",
                 "--logfile", str(self.dir / "redis.log")]
+        if self.tls:
+            cert, key = self.dir / "cert.pem", self.dir / "key.pem"
+            if not cert.exists():
+                subprocess.run([require_binary("openssl"), "req", "-x509", "-newkey", "rsa:2048",
+                                "-nodes", "-keyout", str(key), "-out", str(cert), "-days", "1",
+                                "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                               check=True, capture_output=True, timeout=60)
+            args += ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file", str(cert),
+                     "--tls-key-file", str(key), "--tls-ca-cert-file", str(cert),
+                     "--tls-auth-clients", "no"]
+        else:
+            args += ["--port", str(self.port)]
+        if self.user:
+            args += ["--user", "default", "off",
+                     "--user", self.user, "on", f">{self.password}", "~*", "&*", "+@all"]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             wait_until(self._answers, timeout, f"redis-server on port {self.port}")
@@ -93,6 +115,12 @@ class RedisServer:
         if not self.running:
             raise RuntimeError(f"redis-server exited with {self.proc.returncode}: "
                                f"{(self.dir / 'redis.log').read_text()}")
+        if self.tls or self.user:
+            import redis
+            try:
+                return bool(redis.Redis.from_url(self.url, socket_timeout=0.5).ping())
+            except redis.RedisError:
+                return False
         try:
             with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
                 s.sendall(b"PING\r\n")

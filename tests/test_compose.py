@@ -20,6 +20,7 @@ import yaml
 from prometheus_client import CollectorRegistry
 
 from conftest import free_port, require_binary
+from turbomq.clients.keys import init_deployment
 from turbomq.monitoring import WorkerMetrics, serve_metrics, series_names
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -62,6 +63,19 @@ def turbomq_commands(services: dict) -> dict[str, list[str]]:
 
 def flag(argv: list[str], name: str) -> str:
     return argv[argv.index(name) + 1]
+
+
+def ports(service: dict) -> list[tuple[str, str, str]]:
+    """(host ip, published, target) of each port; compose prints a string or a map."""
+    out = []
+    for p in service.get("ports", []):
+        if isinstance(p, str):
+            parts = p.split(":")
+            ip = parts[0] if len(parts) == 3 else ""
+            out.append((ip, parts[-2], parts[-1].split("/")[0]))
+        else:
+            out.append((str(p.get("host_ip", "")), str(p.get("published")), str(p["target"])))
+    return out
 
 
 def mounts(service: dict) -> dict[str, str]:
@@ -129,7 +143,7 @@ def test_every_turbomq_command_is_accepted_by_the_cli():
 def test_settings_come_from_the_environment():
     defaults = turbomq_commands(resolved())
     assert flag(defaults["worker"], "--model") == "/opt/turbomq/demo-model"
-    assert flag(defaults["worker"], "--redis-url") == "redis://redis:6379/0"
+    assert flag(defaults["worker"], "--redis-url") == "redis://turbomq@redis:6379/0"
     env = {"MODEL": "/models/llama-3-8b", "DEVICE": "cuda:1", "REDIS_URL": "redis://cache:6380/2",
            "WORKER_ID": "gpu-a", "MAX_BATCH_SIZE": "32", "KV_DTYPE": "int8"}
     services = resolved(**env)
@@ -152,7 +166,9 @@ def test_redis_is_durable_and_checked():
     command = [str(a) for a in redis["command"]]
     assert flag(command, "--appendonly") == "yes"
     assert "/data" in mounts(redis)
-    assert redis["healthcheck"]["test"][1:] == ["redis-cli", "ping"]
+    assert command[1] == "/keys/redis.conf"  # the ACL user and its generated password
+    check = redis["healthcheck"]["test"]
+    assert check[0] == "CMD-SHELL" and "redis-cli --user turbomq" in check[1] and "ping" in check[1]
 
 
 def test_turbomq_services_have_healthchecks_and_order():
@@ -168,9 +184,9 @@ def test_two_brokers_and_workers_register_with_both():
     services = resolved()
     commands = turbomq_commands(services)
     assert commands["broker"] == commands["broker-b"]  # the same broker, twice
-    published = {name: [str(p.get("published")) for p in services[name]["ports"]]
-                 for name in ("broker", "broker-b")}
-    assert published == {"broker": ["5555"], "broker-b": ["5557"]}
+    published = {name: ports(services[name]) for name in ("broker", "broker-b")}
+    assert published == {"broker": [("127.0.0.1", "5555", "5555")],
+                         "broker-b": [("127.0.0.1", "5557", "5555")]}
     for name in ("worker", "worker-gpu"):
         assert flag(commands[name], "--broker") == "tcp://broker:5556,tcp://broker-b:5556"
 
@@ -188,14 +204,21 @@ def run_check(script: str) -> int:
 
 def test_broker_healthcheck_asks_a_real_broker(tmp_path):
     services = resolved()
-    front = flag(turbomq_commands(services)["broker"], "--front")
+    command = turbomq_commands(services)["broker"]
+    front = flag(command, "--front")
     port = front.rsplit(":", 1)[1]
     script = healthcheck_script(services["broker"])
     assert f"tcp://127.0.0.1:{port}" in script
     local = free_port()
+    keys = tmp_path / "keys"
+    init_deployment(keys)  # what the keys service makes on first start
     script = script.replace(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{local}")
+    script = script.replace("/keys/", f"{keys}/")
+    curve = [a.replace("/keys/", f"{keys}/") for name in ("--curve-secret", "--client-keys",
+                                                          "--worker-keys")
+             for a in (name, flag(command, name))]
     broker = subprocess.Popen([str(TURBOMQ), "broker", "--front", f"tcp://127.0.0.1:{local}",
-                               "--back", "tcp://127.0.0.1:*", "--log-level", "WARNING"],
+                               "--back", "tcp://127.0.0.1:*", "--log-level", "WARNING", *curve],
                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         assert json.loads(broker.stdout.readline())["front"].endswith(f":{local}")
@@ -250,6 +273,8 @@ def test_prometheus_scrapes_every_turbomq_service():
             for host in sd["names"]:
                 scraped[host] = str(sd["port"])
     for name, argv in turbomq_commands(services).items():
+        if name == "keys":
+            continue  # a one-shot: nothing to scrape
         assert flag(argv, "--metrics-host") == "0.0.0.0", f"{name}: metrics not reachable from prometheus"
         assert scraped.get(name) == flag(argv, "--metrics-port"), \
             f"{name}: prometheus scrapes {scraped.get(name)}, the service serves {flag(argv, '--metrics-port')}"
@@ -272,11 +297,12 @@ def test_grafana_is_provisioned_from_the_repository():
     home = env["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
     assert home.startswith(dashboards_in_container + "/")
     assert (GRAFANA / "dashboards" / Path(home).name).is_file()
-    assert any(str(p["target"]) == "3000" for p in grafana["ports"])
+    assert [p[1:] for p in ports(grafana)] == [("3000", "3000")]
+    assert env["GF_SECURITY_ADMIN_PASSWORD__FILE"] == "/keys/grafana.password"  # no default admin
     (source,) = yaml.safe_load((GRAFANA / "provisioning" / "datasources" / "prometheus.yml")
                                .read_text())["datasources"]
     assert source["url"] == "http://prometheus:9090" and "prometheus" in services
-    assert any(str(p["target"]) == "9090" for p in services["prometheus"]["ports"])
+    assert [p[2] for p in ports(services["prometheus"])] == ["9090"]
 
 
 # ------------------------------------------------------------------ images

@@ -9,9 +9,12 @@ import time
 import pytest
 import redis
 
+from conftest import RedisServer
+
 from turbomq.worker.service.redis_store import (RedisSessionStore, SessionModelMismatch,
                                         pack_tokens, unpack_tokens)
-from turbomq.worker.engine.session_store import (SessionConflict, SessionHistory, SessionStoreError,
+from turbomq.worker.engine.session_store import (SessionConflict, SessionFull, SessionHistory,
+                                                 SessionStoreError,
                                                  TurnRecord)
 
 MODEL = "tiny-llama"
@@ -299,3 +302,60 @@ def test_engines_share_sessions_through_redis(redis_server):
     assert len(stores[1].get_tokens("s")) == 4 + 6 + 2 + 6 + 1 + 6
     for s in stores:
         s.close()
+
+
+def test_acl_user_with_password_and_no_password_in_errors(tmp_path):
+    server = RedisServer(tmp_path / "acl", user="turbomq", password="s3cret-pw")
+    server.dir.mkdir()
+    server.start()
+    try:
+        store = RedisSessionStore(server.url, model_id="demo")
+        assert store.append_tokens("s", [1, 2]) == 2 and store.get_tokens("s") == [1, 2]
+        assert "s3cret-pw" not in store.url and "***" in store.url
+        store.close()
+        for url in (server.url.replace("s3cret-pw", "wrong-pw"),  # a wrong password
+                    f"redis://127.0.0.1:{server.port}/0"):  # none: the default user is off
+            bad = RedisSessionStore(url, model_id="demo")
+            with pytest.raises(SessionStoreError) as info:
+                bad.get_tokens("s")
+            assert "s3cret-pw" not in str(info.value) and "wrong-pw" not in str(info.value)
+            bad.close()
+    finally:
+        server.kill()
+
+
+def test_tls(tmp_path):
+    server = RedisServer(tmp_path / "tls", tls=True)
+    server.dir.mkdir()
+    server.start()
+    try:
+        store = RedisSessionStore(server.url, model_id="demo")  # rediss://, checked certificate
+        assert store.append_tokens("s", [7]) == 1 and store.get_tokens("s") == [7]
+        store.close()
+        plain = RedisSessionStore(f"redis://127.0.0.1:{server.port}/0", model_id="demo")
+        with pytest.raises(SessionStoreError):  # plain text to a TLS port gets nowhere
+            plain.get_tokens("s")
+        plain.close()
+    finally:
+        server.kill()
+
+
+def test_a_session_never_grows_past_its_bound(redis_server):
+    store = RedisSessionStore(redis_server.url, model_id="demo", max_session_tokens=5)
+    try:
+        assert store.append_tokens("s", [1, 2, 3]) == 3
+        with pytest.raises(SessionFull):
+            store.append_tokens("s", [4, 5, 6])
+        with pytest.raises(SessionFull):
+            store.append_turn("s", [4, 5, 6], TurnRecord("t", 3, 1, "stop"))
+        assert store.get_tokens("s") == [1, 2, 3]  # nothing written
+        assert store.append_turn("s", [4, 5], TurnRecord("t", 3, 1, "stop"))
+        assert store.metadata("s").length == 5
+    finally:
+        store.close()
+
+
+def test_workers_keep_sessions_a_week_by_default():
+    from turbomq.worker import EngineConfig
+    from turbomq.worker.service.loop import WorkerConfig
+    assert WorkerConfig(engine=EngineConfig(model="m")).session_ttl == 7 * 24 * 3600

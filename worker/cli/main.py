@@ -51,8 +51,13 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from ..service.loop import WorkerConfig, run_worker
 
     kwargs = {"worker_id": args.worker_id} if args.worker_id else {}
+    redis_url = args.redis_url or None
+    if redis_url and args.redis_password_file:
+        from turbomq.clients.keys import with_password
+        redis_url = with_password(redis_url, args.redis_password_file)
     config = WorkerConfig(engine=_engine_config(args), broker=args.broker, model_id=args.model_id,
-                          redis_url=args.redis_url or None, session_ttl=args.session_ttl,
+                          redis_url=redis_url,
+                          session_ttl=args.session_ttl if args.session_ttl > 0 else None,
                           metrics_host=args.metrics_host,
                           metrics_port=None if args.no_metrics else args.metrics_port,
                           curve_secret=args.curve_secret, broker_key=args.broker_key, **kwargs)
@@ -103,12 +108,15 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def cmd_keys(args: argparse.Namespace) -> int:
-    from turbomq.clients.keys import KeyFileError, allow_line, new_keypair
+    from turbomq.clients.keys import KeyFileError, allow_line, init_deployment, new_keypair
     try:
         if args.action == "new":
             public, secret = new_keypair(args.dir, args.name)
             print(f"wrote {public} (public) and {secret} (secret: keep it private)", file=sys.stderr)
             print(allow_line(public, args.allow_as))
+        elif args.action == "init":
+            for path in init_deployment(args.dir):
+                print(f"wrote {path}", file=sys.stderr)
         else:
             print(allow_line(args.key_file, args.allow_as))
     except KeyFileError as e:
@@ -222,8 +230,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the model's name for the broker and Redis (default: the model dir's name)")
     p.add_argument("--redis-url", default=os.environ.get("REDIS_URL"),
                    help="shared session store (default: $REDIS_URL; none: in-process, not shared)")
-    p.add_argument("--session-ttl", type=float, default=None,
-                   help="seconds an idle session is kept in Redis (default: until end_session)")
+    p.add_argument("--redis-password-file", default=None, metavar="FILE",
+                   help="the Redis password, read from a file (kept off the command line)")
+    p.add_argument("--session-ttl", type=float, default=7 * 24 * 3600.0,
+                   help="seconds an idle session is kept in Redis (default a week; 0: until "
+                        "end_session)")
     p.add_argument("--metrics-host", default="127.0.0.1", help="0.0.0.0 to be scraped from elsewhere")
     p.add_argument("--metrics-port", type=int, default=0, help="/metrics port; 0 picks a free one")
     p.add_argument("--no-metrics", action="store_true", help="serve no /metrics endpoint")
@@ -262,6 +273,10 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("name")
     k.add_argument("--as", dest="allow_as", default=None, metavar="NAME",
                    help="the name in the printed allow-list line (a client's tenant); default NAME")
+    k = keys.add_parser("init", help="a deployment's keys and secrets in DIR, once: broker, "
+                                     "worker and client keys, allow-lists, Redis and Grafana "
+                                     "passwords (files already there are kept)")
+    k.add_argument("dir")
     k = keys.add_parser("line", help="print the allow-list line of a public key file")
     k.add_argument("key_file")
     k.add_argument("--as", dest="allow_as", default=None, metavar="NAME")

@@ -23,6 +23,10 @@ class SessionModelMismatch(SessionStoreError):
     """The session was created for another model; its token IDs mean nothing here."""
 
 
+class SessionFull(SessionStoreError):
+    """The session would grow past the store's bound on one session's tokens."""
+
+
 class SessionConflict(SessionStoreError):
     """The session grew since this turn read it (another turn was committed)."""
 

@@ -47,6 +47,9 @@ def session_key(tenant: str, session_id: str) -> str:
     return f"{tenant}:{session_id}"
 
 
+DEFAULT_SESSION_TTL_S = 7 * 24 * 3600.0
+
+
 def _default_worker_id() -> str:
     return "worker-" + uuid.uuid4().hex[:8]
 
@@ -58,7 +61,9 @@ class WorkerConfig:
     worker_id: str = field(default_factory=_default_worker_id)
     model_id: Optional[str] = None  # names the model to the broker and in Redis; default: model dir name
     redis_url: Optional[str] = None  # None: an in-process store, not shared with other workers
-    session_ttl: Optional[float] = None  # seconds; None: sessions live until end_session
+    # Seconds a session idle this long is dropped from Redis; None: kept until
+    # end_session. A week by default, so abandoned sessions do not pile up.
+    session_ttl: Optional[float] = DEFAULT_SESSION_TTL_S
     store_timeout: float = 0.5  # seconds per Redis call
     metrics_host: str = "127.0.0.1"
     metrics_port: Optional[int] = 0  # 0: a free port; None: no metrics endpoint
@@ -98,7 +103,8 @@ class _InFlight:
     last_token_at: Optional[float] = None
 
 
-def open_session_store(config: WorkerConfig, metrics: WorkerMetrics):
+def open_session_store(config: WorkerConfig, metrics: WorkerMetrics,
+                       max_session_tokens: Optional[int] = None):
     """Redis when a URL is given (shared by every worker), else the in-process store."""
     if config.redis_url is None:
         log.warning("no Redis URL: sessions are kept in this worker's memory only (not shared "
@@ -107,7 +113,8 @@ def open_session_store(config: WorkerConfig, metrics: WorkerMetrics):
     from .redis_store import RedisSessionStore
     from .store_guard import FailFastStore
     store = RedisSessionStore(config.redis_url, config.model_id, ttl_seconds=config.session_ttl,
-                              timeout=config.store_timeout, observe=metrics.observe_store)
+                              timeout=config.store_timeout, observe=metrics.observe_store,
+                              max_session_tokens=max_session_tokens)
     return FailFastStore(store)
 
 
@@ -117,8 +124,11 @@ class WorkerService:
         self.ctx = context or zmq.Context.instance()
         self.registry = CollectorRegistry()
         self.metrics = WorkerMetrics(self.registry, config.worker_id)
-        self.store = open_session_store(config, self.metrics)
-        self.engine = Engine(config.engine, session_store=self.store)
+        self.engine = Engine(config.engine)
+        # A session never holds more than the model's context: the store
+        # refuses to grow one past it (whoever writes).
+        self.store = open_session_store(config, self.metrics, self.engine.max_model_len)
+        self.engine.session_store = self.store
         self.metrics.set_info(model=config.model_id,
                               kv_dtype=str(self.engine.runner.kv_cache.dtype).removeprefix("torch."),
                               dtype=str(self.engine.runner.model.dtype).removeprefix("torch."),

@@ -27,8 +27,8 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from ..engine.session_store import (SessionConflict, SessionHistory, SessionModelMismatch,
-                                   SessionStoreError, TurnRecord)
+from ..engine.session_store import (SessionConflict, SessionFull, SessionHistory,
+                                   SessionModelMismatch, SessionStoreError, TurnRecord)
 
 # Called after every store operation: (op, seconds, ok). Metrics plug in here.
 Observer = Callable[[str, float, bool], None]
@@ -36,11 +36,15 @@ Observer = Callable[[str, float, bool], None]
 _TOKEN_BYTES = 4
 assert array("I").itemsize == _TOKEN_BYTES
 
-# KEYS: tokens, meta. ARGV: model, packed tokens, now, ttl_ms.
-# Returns {1, length} or {0, other model}.
+# KEYS: tokens, meta. ARGV: model, packed tokens, now, ttl_ms, max tokens (0:
+# none). Returns {1, length}, {0, other model} or {4, length} (it would grow
+# past the bound; nothing written).
 _APPEND = """
 local model = redis.call('HGET', KEYS[2], 'model')
 if model and model ~= ARGV[1] then return {0, model} end
+local have = math.floor(redis.call('STRLEN', KEYS[1]) / 4)
+local bound = tonumber(ARGV[5])
+if bound > 0 and have + string.len(ARGV[2]) / 4 > bound then return {4, have} end
 local n = math.floor(redis.call('APPEND', KEYS[1], ARGV[2]) / 4)
 redis.call('HSET', KEYS[2], 'model', ARGV[1], 'length', n, 'last_use', ARGV[3])
 redis.call('HSETNX', KEYS[2], 'created', ARGV[3])
@@ -53,7 +57,8 @@ return {1, n}
 """
 
 # KEYS: tokens, meta. ARGV: model, packed tokens, now, ttl_ms, turn_id, start,
-# prompt_len, finish_reason. Returns {1, length} (committed), {0, other model},
+# prompt_len, finish_reason, max tokens (0: none). Returns {4, length} past
+# the bound, else {1, length} (committed), {0, other model},
 # {2, length} (this turn, the same id on the same start, is committed
 # already) or {3, length} (the session
 # does not have `start` tokens: another turn came first).
@@ -64,6 +69,8 @@ local n = math.floor(redis.call('STRLEN', KEYS[1]) / 4)
 local last = redis.call('HMGET', KEYS[2], 'turn_id', 'turn_start')
 if last[1] == ARGV[5] and last[2] == ARGV[6] then return {2, n} end
 if n ~= tonumber(ARGV[6]) then return {3, n} end
+local bound = tonumber(ARGV[9])
+if bound > 0 and n + string.len(ARGV[2]) / 4 > bound then return {4, n} end
 n = math.floor(redis.call('APPEND', KEYS[1], ARGV[2]) / 4)
 redis.call('HSET', KEYS[2], 'model', ARGV[1], 'length', n, 'last_use', ARGV[3],
            'turn_id', ARGV[5], 'turn_start', ARGV[6], 'turn_prompt', ARGV[7],
@@ -149,7 +156,9 @@ class RedisSessionStore:
 
     def __init__(self, url: str, model_id: str, ttl_seconds: Optional[float] = None,
                  timeout: float = 0.5, prefix: str = "turbomq",
-                 observe: Optional[Observer] = None) -> None:
+                 observe: Optional[Observer] = None,
+                 max_session_tokens: Optional[int] = None) -> None:
+        """max_session_tokens: no session grows past it (SessionFull)."""
         if not model_id:
             raise ValueError("model_id must be a non-empty string")
         if ttl_seconds is not None and ttl_seconds <= 0:
@@ -157,6 +166,7 @@ class RedisSessionStore:
         self.url = _redact(url)
         self.model_id = model_id
         self.ttl_ms = 0 if ttl_seconds is None else max(1, int(ttl_seconds * 1000))
+        self.max_session_tokens = max_session_tokens or 0
         self.prefix = prefix
         self.observe = observe
         # Fail fast: short timeouts and no retries. A retried APPEND whose first
@@ -199,10 +209,11 @@ class RedisSessionStore:
     def append_tokens(self, session_id: str, tokens: list[int]) -> int:
         keys = self._keys(session_id)
         packed = pack_tokens(list(tokens))
-        args = [self.model_id, packed, repr(time.time()), self.ttl_ms]
-        ok, value = self._call("append_tokens", session_id, lambda: self._append(keys, args))
-        if not ok:
+        args = [self.model_id, packed, repr(time.time()), self.ttl_ms, self.max_session_tokens]
+        status, value = self._call("append_tokens", session_id, lambda: self._append(keys, args))
+        if status == 0:
             self._check_model(session_id, value)
+        self._check_bound(session_id, status, value, len(tokens))
         return int(value)
 
     def get_session(self, session_id: str) -> Optional[SessionHistory]:
@@ -229,11 +240,13 @@ class RedisSessionStore:
     def append_turn(self, session_id: str, tokens: list[int], turn: TurnRecord) -> bool:
         keys = self._keys(session_id)
         args = [self.model_id, pack_tokens(list(tokens)), repr(time.time()), self.ttl_ms,
-                turn.turn_id, turn.start, turn.prompt_len, turn.finish_reason]
+                turn.turn_id, turn.start, turn.prompt_len, turn.finish_reason,
+                self.max_session_tokens]
         status, value = self._call("append_tokens", session_id,
                                    lambda: self._append_turn(keys, args))
         if status == 0:
             self._check_model(session_id, value)
+        self._check_bound(session_id, status, value, len(tokens))
         if status == 3:
             raise SessionConflict(f"session {session_id!r} has {int(value)} tokens, not the "
                                   f"{turn.start} this turn was computed on")
@@ -282,6 +295,11 @@ class RedisSessionStore:
         if status == 0:
             self._check_model(session_id, value)
         return status == 1
+
+    def _check_bound(self, session_id: str, status: int, length, adding: int) -> None:
+        if status == 4:
+            raise SessionFull(f"session {session_id!r} holds {int(length)} tokens; {adding} more "
+                              f"would pass its bound of {self.max_session_tokens}")
 
     def _check_model(self, session_id: str, model: Optional[bytes]) -> None:
         if model is not None and model.decode() != self.model_id:

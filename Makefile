@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 DEMO_MODEL ?= .demo-model
 STAMP := $(VENV)/.turbomq-installed
 
-.PHONY: serve test chaos setup sysdeps native cuda-check clean FORCE
+.PHONY: serve test chaos fuzz setup sysdeps native cuda-check clean FORCE
 
 # Debian packages: libzmq (headers) for the broker's native data plane; a real
 # redis-server, prometheus and docker-compose (to validate the compose file)
@@ -74,6 +74,11 @@ test: setup sysdeps cuda-check
 # docs/benchmarks/chaos.md. CHAOS_ARGS=--sessions 100 --minutes 1 for a short one.
 chaos: setup sysdeps
 	OMP_NUM_THREADS=1 $(PY) benchmarks/chaos.py $(CHAOS_ARGS)
+
+# The long fuzz run: 1,000,000 malformed frames at a broker (both sockets)
+# with a CPU worker behind it; writes docs/benchmarks/fuzz.md.
+fuzz: setup sysdeps
+	OMP_NUM_THREADS=1 $(PY) benchmarks/fuzz.py $(FUZZ_ARGS)
 
 clean:
 	rm -rf build $(VENV) $(DEMO_MODEL)

@@ -529,3 +529,32 @@ def test_broker_and_client_do_not_import_torch():
     code = ("import sys, turbomq.broker, turbomq.broker.echo_worker, turbomq.clients; "
             "sys.exit(1 if 'torch' in sys.modules else 0)")
     assert subprocess.run([sys.executable, "-c", code], timeout=30).returncode == 0
+
+
+def test_back_socket_fuzz_from_rogue_dealers_harms_nothing(service, client_for):
+    # Fuzz frames at the back from a DEALER that never registered and from
+    # one that did: dropped and counted; the broker serves on, and nothing a
+    # rogue sends reaches a client.
+    from protocol_corpus import fuzz_frames
+
+    svc = service()
+    svc.add_worker("w", slots=2)
+    c = client_for(svc)
+    svc.wait_workers(c, 1)
+    ctx = zmq.Context.instance()
+    socks = [ctx.socket(zmq.DEALER) for _ in range(2)]
+    for s in socks:
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(svc.back)
+    socks[1].send(P.pack(P.register("rogue", "echo", 0, 0)))  # registered, with no slots
+    frames = [f for f in fuzz_frames(random.Random(29)) if isinstance(f, bytes)][:3000]
+    for i, frame in enumerate(frames):
+        socks[i % 2].send(frame)
+    socks[1].send(P.pack(P.worker_final("k1", 1, "stop", P.usage(1, 0, 1), [5], "x")))
+    time.sleep(0.5)
+    assert c.generate(input_ids=[4, 2], max_tokens=4).token_ids == [4, 2, 4, 2]
+    stats = c.stats()
+    assert sum(stats["worker_frames_rejected"].values()) > 100
+    assert stats["requests_by_outcome"] == {"completed": 1}
+    for s in socks:
+        s.close(0)

@@ -66,7 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
 # Stats names -> the catalogue's label values (docs/metrics.md).
 _OUTCOMES = {"completed": "completed", "cancelled": "cancelled", "client_gone": "cancelled",
              "timeout": "timeout", "overloaded": "rejected", "no_workers": "rejected",
-             "session_busy": "rejected", "duplicate_request": "rejected"}  # others: error
+             "session_busy": "rejected", "duplicate_request": "rejected",
+             "rate_limited": "rejected"}  # others: error
 _DECISIONS = {"affinity": "affinity", "moved": "moved", "new": "new", "stateless": "new"}
 _REJECTS = {"bad_frame": "malformed", "unknown_kind": "unknown_type", "bad_version": "bad_version",
             "frame_too_large": "too_large"}  # others: invalid
@@ -96,6 +97,14 @@ class MetricsSync:
             for code, n in counts.items():
                 self._add(m.frames_rejected, "reason", _REJECTS.get(code, "invalid"),
                           f"f{side}:{code}", n)
+        for tenant, outcomes in stats["tenant_outcomes"].items():
+            for name, n in outcomes.items():
+                labels = {"tenant": tenant or "plain", "outcome": _OUTCOMES.get(name, "error")}
+                key = f"t:{tenant}:{name}"
+                delta = n - self._last.get(key, 0)
+                if delta > 0:
+                    m.tenant_requests.labels(**labels).inc(delta)
+                self._last[key] = n
         self._add(m.redispatches, "", "", "redispatches", stats["redispatches"])
         self._add(m.resumed_requests, "", "", "resumed", stats["requests_resumed"])
         m.requests_in_flight.set(stats["inflight"])

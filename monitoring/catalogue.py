@@ -141,6 +141,10 @@ BROKER_METRICS: tuple[MetricSpec, ...] = (
     _b("requests", "turbomq_broker_requests_total", COUNTER, "requests",
        "Client requests by outcome.",
        labels=("outcome",), label_values=(("outcome", REQUEST_OUTCOMES),)),
+    _b("tenant_requests", "turbomq_broker_tenant_requests_total", COUNTER, "requests",
+       "Client requests by tenant (the client key's name on the allow-list; `plain` without "
+       "CURVE) and outcome; rejected includes rate_limited.",
+       labels=("tenant", "outcome")),  # tenants are known only as they come
     _b("requests_in_flight", "turbomq_broker_requests_in_flight", GAUGE, "requests",
        "Requests dispatched to a worker and not yet finished."),
     _b("queue_depth", "turbomq_broker_queue_depth", GAUGE, "requests",

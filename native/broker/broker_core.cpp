@@ -446,7 +446,17 @@ std::string BrokerCore::stats_snapshot() const {
     slots_total += wk->slots;
     slots_free += wk->free_slots();
   }
-  w.map(24);
+  w.map(25);
+  key(w, "tenant_outcomes");
+  w.map(static_cast<uint32_t>(stats_.tenant_outcomes.size()));
+  for (const auto& t : stats_.tenant_outcomes) {
+    w.str(t.first);
+    w.map(static_cast<uint32_t>(t.second.size()));
+    for (const auto& kv : t.second) {
+      w.str(kv.first);
+      w.integer(kv.second);
+    }
+  }
   count("auth_admitted", auth_ ? auth_->admitted() : 0);
   count("auth_refused", auth_ ? auth_->refused() : 0);
   count("requests_received", stats_.requests_received);

@@ -197,6 +197,8 @@ class BrokerCore {
             duplicates_dropped = 0, stale_dropped = 0, cancels_forwarded = 0,
             workers_registered = 0, workers_lost = 0, messages_in = 0, messages_out = 0;
     std::map<std::string, int64_t> outcomes, routing, frames_rejected, worker_frames_rejected;
+    // tenant -> outcome -> requests (tenants come from the allow-list: a bounded set)
+    std::map<std::string, std::map<std::string, int64_t>> tenant_outcomes;
   } stats_;
   std::vector<double> finished_durations_, queue_waits_;
 

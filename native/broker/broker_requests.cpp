@@ -125,6 +125,7 @@ void BrokerCore::release(const PendingPtr& p) {
 void BrokerCore::finish(const PendingPtr& p, const std::string& outcome) {
   if (hooks_.tick) finished_durations_.push_back(now() - p->arrived);
   ++stats_.outcomes[outcome];
+  ++stats_.tenant_outcomes[p->tenant][outcome];
   p->client_done = true;
   forget_client_side(p);
   release(p);
@@ -150,6 +151,7 @@ void BrokerCore::cancelled_final(const PendingPtr& p) {
 void BrokerCore::abandon(const PendingPtr& p, const std::string& outcome) {
   // The client gets nothing more for `p`; the worker is told to stop.
   ++stats_.outcomes[outcome];
+  ++stats_.tenant_outcomes[p->tenant][outcome];
   p->client_done = true;
   forget_client_side(p);
   if (!p->worker) {

@@ -45,6 +45,7 @@ bool BrokerCore::over_tenant_limit(const std::string& tenant, double t, std::str
 void BrokerCore::refuse(const std::string& client, std::string_view request_id,
                         const std::string& code, const std::string& message) {
   ++stats_.outcomes[code];
+  ++stats_.tenant_outcomes[tenant_][code];
   reply_error(client, request_id, code, message);
 }
 

@@ -189,6 +189,9 @@ def test_per_tenant_limits_answer_rate_limited(tmp_path, keys):
             assert bob.generate(input_ids=[2], max_tokens=2).token_ids == [2, 2]  # not bob's
             list(running)
             assert alice.generate(input_ids=[2], max_tokens=2).token_ids == [2, 2]
+            by_tenant = alice.stats()["tenant_outcomes"]  # the tenant_requests metric's source
+            assert by_tenant["tenant-a"] == {"rate_limited": 1, "completed": 2}
+            assert by_tenant["tenant-b"] == {"completed": 1}
     finally:
         svc.close()
 

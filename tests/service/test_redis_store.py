@@ -14,7 +14,7 @@ from conftest import RedisServer
 from turbomq.worker.service.redis_store import (RedisSessionStore, SessionModelMismatch,
                                         pack_tokens, unpack_tokens)
 from turbomq.worker.engine.session_store import (SessionConflict, SessionFull, SessionHistory,
-                                                 SessionStoreError,
+                                                 SessionStoreError, TenantQuotaExceeded,
                                                  TurnRecord)
 
 MODEL = "tiny-llama"
@@ -359,3 +359,34 @@ def test_workers_keep_sessions_a_week_by_default():
     from turbomq.worker import EngineConfig
     from turbomq.worker.service.loop import WorkerConfig
     assert WorkerConfig(engine=EngineConfig(model="m")).session_ttl == 7 * 24 * 3600
+
+
+def test_per_tenant_bounds_on_sessions_and_tokens(redis_server):
+    store = RedisSessionStore(redis_server.url, model_id="demo", tenant_max_sessions=2,
+                              tenant_max_tokens=10)
+    try:
+        assert store.append_turn("a:s1", [1, 2, 3], TurnRecord("t1", 0, 1, "stop"))
+        assert store.append_turn("a:s2", [1, 2, 3], TurnRecord("t2", 0, 1, "stop"))
+        with pytest.raises(TenantQuotaExceeded, match="sessions"):  # a third session
+            store.append_turn("a:s3", [1], TurnRecord("t3", 0, 1, "stop"))
+        with pytest.raises(TenantQuotaExceeded, match="tokens"):  # s1 at 8 + s2 at 3 > 10
+            store.append_turn("a:s1", [4, 5, 6, 7, 8], TurnRecord("t4", 3, 1, "stop"))
+        assert store.get_tokens("a:s1") == [1, 2, 3]  # refused: nothing written
+        assert store.append_turn("b:s1", [1, 2, 3], TurnRecord("t5", 0, 1, "stop"))  # not a's
+        assert store.drop("a:s2")  # room again
+        assert store.append_turn("a:s3", [1], TurnRecord("t6", 0, 1, "stop"))
+        assert store.append_turn("a:s1", [4, 5, 6], TurnRecord("t7", 3, 1, "stop"))  # 6 + 1 <= 10
+    finally:
+        store.close()
+
+
+def test_a_tenant_index_forgets_expired_sessions(redis_server):
+    store = RedisSessionStore(redis_server.url, model_id="demo", ttl_seconds=0.5,
+                              tenant_max_sessions=1)
+    try:
+        assert store.append_turn("a:s1", [1], TurnRecord("t1", 0, 1, "stop"))
+        time.sleep(0.8)  # idle past the ttl: gone from Redis and, at the next turn, the index
+        assert store.get_tokens("a:s1") is None
+        assert store.append_turn("a:s2", [1], TurnRecord("t2", 0, 1, "stop"))
+    finally:
+        store.close()

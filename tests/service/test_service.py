@@ -245,9 +245,14 @@ def test_sessions_spread_over_two_workers_and_survive_a_move(cluster, client_for
             svc.kill_worker(holder)
             survivor = "w1" if holder == "w0" else "w0"
             wait_until(lambda: client.health()["workers"] == 1, 10, "the dead worker dropped")
+        # The first turns all in flight at once: routing by free slots spreads
+        # the sessions over both workers.
+        streams = {sid: client.generate(turn + f" ({sid})", session_id=sid, max_tokens=6,
+                                        stream=True, **GREEDY) for sid in sessions} if t == 0 else {}
         for sid in sessions:
-            tokens, final = read_stream(client.generate(turn + f" ({sid})", session_id=sid,
-                                                        max_tokens=6, stream=True, **GREEDY))
+            stream = streams.get(sid) or client.generate(turn + f" ({sid})", session_id=sid,
+                                                         max_tokens=6, stream=True, **GREEDY)
+            tokens, final = read_stream(stream)
             got[sid].append(tokens)
             cached += final.usage.cached_tokens
     assert cached > 0  # affinity: later turns reused resident KV

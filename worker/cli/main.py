@@ -60,7 +60,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
                           session_ttl=args.session_ttl if args.session_ttl > 0 else None,
                           metrics_host=args.metrics_host,
                           metrics_port=None if args.no_metrics else args.metrics_port,
-                          curve_secret=args.curve_secret, broker_key=args.broker_key, **kwargs)
+                          curve_secret=args.curve_secret, broker_key=args.broker_key,
+                          tenant_max_sessions=args.tenant_max_sessions,
+                          tenant_max_tokens=args.tenant_max_tokens, **kwargs)
 
     def ready(service) -> None:
         signal.signal(signal.SIGTERM, lambda *_: service.stop())
@@ -230,6 +232,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the model's name for the broker and Redis (default: the model dir's name)")
     p.add_argument("--redis-url", default=os.environ.get("REDIS_URL"),
                    help="shared session store (default: $REDIS_URL; none: in-process, not shared)")
+    p.add_argument("--tenant-max-sessions", type=int, default=0,
+                   help="sessions one tenant may keep in Redis (0: no limit); past it: rate_limited")
+    p.add_argument("--tenant-max-tokens", type=int, default=0,
+                   help="tokens one tenant may keep in Redis (0: no limit); past it: rate_limited")
     p.add_argument("--redis-password-file", default=None, metavar="FILE",
                    help="the Redis password, read from a file (kept off the command line)")
     p.add_argument("--session-ttl", type=float, default=7 * 24 * 3600.0,

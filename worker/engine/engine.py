@@ -26,7 +26,8 @@ from .runner import ModelRunner, SampledTokens, StepInputs
 from .sampling_params import SamplingParams, SeedRNG
 from .scheduler import AllocPolicy, Scheduler, SchedulerConfig, Sequence, SeqStatus, StepPlan
 from .session_store import (InMemorySessionStore, SessionConflict, SessionFull, SessionHistory,
-                            SessionModelMismatch, SessionStore, SessionStoreError, TurnRecord)
+                            SessionModelMismatch, SessionStore, SessionStoreError,
+                            TenantQuotaExceeded, TurnRecord)
 from .tokenizer import Tokenizer
 from ..model.weights import load_checkpoint
 from ..._native import KVCacheManager, SeqState
@@ -564,6 +565,8 @@ class Engine:
             turn = TurnRecord(req.turn_id, seq.history_len, seq.prompt_len - seq.history_len, reason)
             try:
                 self.session_store.append_turn(session, seq.tokens[seq.history_len:], turn)
+            except TenantQuotaExceeded as e:
+                error, reason, keep_kv = errors.RateLimited(str(e)), "error", False
             except SessionFull as e:
                 error, reason, keep_kv = errors.PromptTooLong(str(e)), "error", False
             except SessionConflict as e:

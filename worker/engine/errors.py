@@ -39,3 +39,9 @@ class SessionBusy(EngineError):
 class SessionStoreUnavailable(EngineError):
     code = "session_store_unavailable"
     retryable = True
+
+
+class RateLimited(EngineError):
+    """The session's tenant is at one of its limits (e.g. its sessions or tokens in the store)."""
+    code = "rate_limited"
+    retryable = True

@@ -27,6 +27,10 @@ class SessionFull(SessionStoreError):
     """The session would grow past the store's bound on one session's tokens."""
 
 
+class TenantQuotaExceeded(SessionStoreError):
+    """The session's tenant keeps as many sessions or tokens in the store as it may."""
+
+
 class SessionConflict(SessionStoreError):
     """The session grew since this turn read it (another turn was committed)."""
 

@@ -65,6 +65,9 @@ class WorkerConfig:
     # end_session. A week by default, so abandoned sessions do not pile up.
     session_ttl: Optional[float] = DEFAULT_SESSION_TTL_S
     store_timeout: float = 0.5  # seconds per Redis call
+    # What one tenant may keep in Redis (0: no limit); past it, rate_limited.
+    tenant_max_sessions: int = 0
+    tenant_max_tokens: int = 0
     metrics_host: str = "127.0.0.1"
     metrics_port: Optional[int] = 0  # 0: a free port; None: no metrics endpoint
     heartbeat_interval: float = 0.5  # until the broker's `registered` sets its own
@@ -114,7 +117,9 @@ def open_session_store(config: WorkerConfig, metrics: WorkerMetrics,
     from .store_guard import FailFastStore
     store = RedisSessionStore(config.redis_url, config.model_id, ttl_seconds=config.session_ttl,
                               timeout=config.store_timeout, observe=metrics.observe_store,
-                              max_session_tokens=max_session_tokens)
+                              max_session_tokens=max_session_tokens,
+                              tenant_max_sessions=config.tenant_max_sessions,
+                              tenant_max_tokens=config.tenant_max_tokens)
     return FailFastStore(store)
 
 

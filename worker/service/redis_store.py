@@ -28,7 +28,8 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from ..engine.session_store import (SessionConflict, SessionFull, SessionHistory,
-                                   SessionModelMismatch, SessionStoreError, TurnRecord)
+                                   SessionModelMismatch, SessionStoreError, TenantQuotaExceeded,
+                                   TurnRecord)
 
 # Called after every store operation: (op, seconds, ok). Metrics plug in here.
 Observer = Callable[[str, float, bool], None]
@@ -82,6 +83,42 @@ if ttl > 0 then
   redis.call('PEXPIRE', KEYS[2], ttl)
 end
 return {1, n}
+"""
+
+# Per tenant: how many sessions and tokens it keeps (three keys under the
+# tenant's hash tag). KEYS: sizes (hash session -> tokens), used (zset
+# session -> last use), total (tokens). ARGV: session, its new length, now (s),
+# idle ttl (s, 0: none), max sessions, max tokens (0: none). Sessions idle past
+# the ttl (expired in Redis) leave the index first. Returns {0} (recorded),
+# {1, sessions} or {2, tokens} (refused: nothing changed).
+_TENANT_ADMIT = """
+local now, ttl = tonumber(ARGV[3]), tonumber(ARGV[4])
+if ttl > 0 then
+  for _, s in ipairs(redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now - ttl)) do
+    redis.call('DECRBY', KEYS[3], tonumber(redis.call('HGET', KEYS[1], s) or '0'))
+    redis.call('HDEL', KEYS[1], s)
+  end
+  redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now - ttl)
+end
+local old = tonumber(redis.call('HGET', KEYS[1], ARGV[1]) or '0')
+local new = tonumber(ARGV[2])
+local max_sessions, max_tokens = tonumber(ARGV[5]), tonumber(ARGV[6])
+local sessions = redis.call('HLEN', KEYS[1])
+if old == 0 and max_sessions > 0 and sessions >= max_sessions then return {1, sessions} end
+local total = tonumber(redis.call('GET', KEYS[3]) or '0')
+if max_tokens > 0 and total - old + new > max_tokens then return {2, total} end
+redis.call('HSET', KEYS[1], ARGV[1], new)
+redis.call('ZADD', KEYS[2], now, ARGV[1])
+redis.call('INCRBY', KEYS[3], new - old)
+return {0, 0}
+"""
+
+# KEYS: sizes, used, total. ARGV: session. Forget it in its tenant's index.
+_TENANT_FORGET = """
+redis.call('DECRBY', KEYS[3], tonumber(redis.call('HGET', KEYS[1], ARGV[1]) or '0'))
+redis.call('HDEL', KEYS[1], ARGV[1])
+redis.call('ZREM', KEYS[2], ARGV[1])
+return 0
 """
 
 # KEYS: tokens, meta. ARGV: model, worker ('' clears), now, ttl_ms, expected holder
@@ -157,8 +194,12 @@ class RedisSessionStore:
     def __init__(self, url: str, model_id: str, ttl_seconds: Optional[float] = None,
                  timeout: float = 0.5, prefix: str = "turbomq",
                  observe: Optional[Observer] = None,
-                 max_session_tokens: Optional[int] = None) -> None:
-        """max_session_tokens: no session grows past it (SessionFull)."""
+                 max_session_tokens: Optional[int] = None,
+                 tenant_max_sessions: int = 0, tenant_max_tokens: int = 0) -> None:
+        """max_session_tokens: no session grows past it (SessionFull).
+        tenant_max_sessions / tenant_max_tokens (0: none): what one tenant
+        (the part of a session id before its first ':') may keep in the store
+        (TenantQuotaExceeded)."""
         if not model_id:
             raise ValueError("model_id must be a non-empty string")
         if ttl_seconds is not None and ttl_seconds <= 0:
@@ -167,6 +208,8 @@ class RedisSessionStore:
         self.model_id = model_id
         self.ttl_ms = 0 if ttl_seconds is None else max(1, int(ttl_seconds * 1000))
         self.max_session_tokens = max_session_tokens or 0
+        self.tenant_max_sessions = tenant_max_sessions
+        self.tenant_max_tokens = tenant_max_tokens
         self.prefix = prefix
         self.observe = observe
         # Fail fast: short timeouts and no retries. A retried APPEND whose first
@@ -178,6 +221,8 @@ class RedisSessionStore:
             retry=Retry(NoBackoff(), 0), retry_on_timeout=False)
         self._append = self._redis.register_script(_APPEND)
         self._append_turn = self._redis.register_script(_APPEND_TURN)
+        self._tenant_admit = self._redis.register_script(_TENANT_ADMIT)
+        self._tenant_forget = self._redis.register_script(_TENANT_FORGET)
         self._holder = self._redis.register_script(_HOLDER)
 
     # ------------------------------------------------------------- keys
@@ -239,6 +284,7 @@ class RedisSessionStore:
 
     def append_turn(self, session_id: str, tokens: list[int], turn: TurnRecord) -> bool:
         keys = self._keys(session_id)
+        self._admit_for_tenant(session_id, turn.start + len(tokens))
         args = [self.model_id, pack_tokens(list(tokens)), repr(time.time()), self.ttl_ms,
                 turn.turn_id, turn.start, turn.prompt_len, turn.finish_reason,
                 self.max_session_tokens]
@@ -254,6 +300,9 @@ class RedisSessionStore:
 
     def drop(self, session_id: str) -> bool:
         keys = self._keys(session_id)
+        if self._tenant_limited:
+            self._call("drop", session_id, lambda: self._tenant_forget(
+                self._tenant_keys(session_id), [session_id]))
         return self._call("drop", session_id, lambda: self._redis.delete(*keys)) > 0
 
     # -------------------------------------------------------- metadata
@@ -295,6 +344,33 @@ class RedisSessionStore:
         if status == 0:
             self._check_model(session_id, value)
         return status == 1
+
+    @property
+    def _tenant_limited(self) -> bool:
+        return bool(self.tenant_max_sessions or self.tenant_max_tokens)
+
+    def _tenant_keys(self, session_id: str) -> list[str]:
+        tenant = session_id.split(":", 1)[0] if ":" in session_id else ""
+        base = f"{self.prefix}:tenant:{{{tenant}}}"
+        return [f"{base}:sizes", f"{base}:used", f"{base}:total"]
+
+    def _admit_for_tenant(self, session_id: str, new_length: int) -> None:
+        """Record the session's new size in its tenant's index, or refuse the
+        turn if the tenant would keep more sessions or tokens than it may."""
+        if not self._tenant_limited:
+            return
+        ttl_s = self.ttl_ms / 1000.0
+        args = [session_id, new_length, repr(time.time()), ttl_s, self.tenant_max_sessions,
+                self.tenant_max_tokens]
+        status, value = self._call("append_tokens", session_id, lambda: self._tenant_admit(
+            self._tenant_keys(session_id), args))
+        if status == 1:
+            raise TenantQuotaExceeded(f"the tenant keeps {int(value)} sessions in the store, "
+                                      f"its limit; end one to start another")
+        if status == 2:
+            raise TenantQuotaExceeded(f"the tenant keeps {int(value)} tokens in the store; this "
+                                      f"session at {new_length} tokens would pass its limit "
+                                      f"of {self.tenant_max_tokens}")
 
     def _check_bound(self, session_id: str, status: int, length, adding: int) -> None:
         if status == 4:

@@ -11,11 +11,11 @@ import zmq
 import zmq.asyncio
 
 from . import protocol as P
-from .common import (PromptLike, decode_reply, encode_checked, generate_message, new_id,
-                     reply_error, sampling_params, to_event, to_result)
-from .keys import CurveClient
+from .common import (connect_dealer, decode_reply, encode_checked, generate_message, new_id,
+                     PromptLike, reply_error, sampling_params, to_event, to_result)
 from .errors import ServerError, Timeout, TurbomqError
-from .resume import DEADLINE_GRACE_S, SEND_TIMEOUT_S, BrokerWatch, InFlight
+from .keys import CurveClient
+from .resume import DEADLINE_GRACE_S, BrokerWatch, InFlight
 from .types import Delta, Final, Result
 
 _PING = P.pack(P.ping())
@@ -56,13 +56,7 @@ class AsyncClient:
 
     # ------------------------------------------------------------ plumbing
     def _connect(self, endpoint: str) -> zmq.asyncio.Socket:
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDTIMEO, int(SEND_TIMEOUT_S * 1000))
-        if self.curve is not None:
-            self.curve.apply(sock)
-        sock.connect(endpoint)
-        return sock
+        return connect_dealer(self._ctx, endpoint, self.curve)
 
     def _ensure_reader(self) -> None:
         if self._reader is None or self._reader.done():

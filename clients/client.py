@@ -10,11 +10,11 @@ from typing import Any, Iterator, Optional, Sequence, Union
 import zmq
 
 from . import protocol as P
-from .common import (PromptLike, decode_reply, encode_checked, generate_message, new_id,
-                     reply_error, sampling_params, to_event, to_result)
-from .keys import CurveClient
+from .common import (connect_dealer, decode_reply, encode_checked, generate_message, new_id,
+                     PromptLike, reply_error, sampling_params, to_event, to_result)
 from .errors import ServerError, Timeout
-from .resume import DEADLINE_GRACE_S, SEND_TIMEOUT_S, BrokerWatch, InFlight
+from .keys import CurveClient
+from .resume import DEADLINE_GRACE_S, BrokerWatch, InFlight
 from .types import Delta, Final, Result
 
 _PING = P.pack(P.ping())
@@ -57,13 +57,7 @@ class Client:
 
     # ------------------------------------------------------------ plumbing
     def _connect(self, endpoint: str) -> zmq.Socket:
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDTIMEO, int(SEND_TIMEOUT_S * 1000))
-        if self.curve is not None:
-            self.curve.apply(sock)
-        sock.connect(endpoint)
-        return sock
+        return connect_dealer(self._ctx, endpoint, self.curve)
 
     def _send(self, frame: bytes) -> None:
         """Send, or drop the frame when the broker cannot take it within

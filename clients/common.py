@@ -5,11 +5,27 @@ from __future__ import annotations
 import uuid
 from typing import Any, Optional, Sequence, Union
 
+import zmq
+
 from . import protocol as P
 from .errors import InvalidRequest, ServerError, TurbomqError, error_for, from_reply
+from .resume import SEND_TIMEOUT_S
 from .types import Delta, Final, Result, Usage
 
 PromptLike = Union[str, Sequence[int], None]
+
+
+def connect_dealer(ctx, endpoint: str, curve) -> "zmq.Socket":
+    """The client's socket to a broker: no linger, sends that no broker takes
+    within SEND_TIMEOUT_S dropped (the resend after failover carries them),
+    CurveZMQ keys when given."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDTIMEO, int(SEND_TIMEOUT_S * 1000))
+    if curve is not None:
+        curve.apply(sock)
+    sock.connect(endpoint)
+    return sock
 
 
 def new_id() -> str:

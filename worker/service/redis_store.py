@@ -37,6 +37,18 @@ Observer = Callable[[str, float, bool], None]
 _TOKEN_BYTES = 4
 assert array("I").itemsize == _TOKEN_BYTES
 
+# The end of both append scripts: the creation time once, the idle TTL
+# renewed on both keys (ARGV[3] now, ARGV[4] ttl_ms), the new length back.
+_CREATED_AND_TTL = """
+redis.call('HSETNX', KEYS[2], 'created', ARGV[3])
+local ttl = tonumber(ARGV[4])
+if ttl > 0 then
+  redis.call('PEXPIRE', KEYS[1], ttl)
+  redis.call('PEXPIRE', KEYS[2], ttl)
+end
+return {1, n}
+"""
+
 # KEYS: tokens, meta. ARGV: model, packed tokens, now, ttl_ms, max tokens (0:
 # none). Returns {1, length}, {0, other model} or {4, length} (it would grow
 # past the bound; nothing written).
@@ -48,21 +60,13 @@ local bound = tonumber(ARGV[5])
 if bound > 0 and have + string.len(ARGV[2]) / 4 > bound then return {4, have} end
 local n = math.floor(redis.call('APPEND', KEYS[1], ARGV[2]) / 4)
 redis.call('HSET', KEYS[2], 'model', ARGV[1], 'length', n, 'last_use', ARGV[3])
-redis.call('HSETNX', KEYS[2], 'created', ARGV[3])
-local ttl = tonumber(ARGV[4])
-if ttl > 0 then
-  redis.call('PEXPIRE', KEYS[1], ttl)
-  redis.call('PEXPIRE', KEYS[2], ttl)
-end
-return {1, n}
-"""
+""" + _CREATED_AND_TTL
 
 # KEYS: tokens, meta. ARGV: model, packed tokens, now, ttl_ms, turn_id, start,
-# prompt_len, finish_reason, max tokens (0: none). Returns {4, length} past
-# the bound, else {1, length} (committed), {0, other model},
-# {2, length} (this turn, the same id on the same start, is committed
-# already) or {3, length} (the session
-# does not have `start` tokens: another turn came first).
+# prompt_len, finish_reason, max tokens (0: none). Returns {1, length}
+# (committed), {0, other model}, {2, length} (this turn, the same id on the
+# same start, is committed already), {3, length} (the session does not have
+# `start` tokens: another turn came first) or {4, length} (past the bound).
 _APPEND_TURN = """
 local model = redis.call('HGET', KEYS[2], 'model')
 if model and model ~= ARGV[1] then return {0, model} end
@@ -76,14 +80,7 @@ n = math.floor(redis.call('APPEND', KEYS[1], ARGV[2]) / 4)
 redis.call('HSET', KEYS[2], 'model', ARGV[1], 'length', n, 'last_use', ARGV[3],
            'turn_id', ARGV[5], 'turn_start', ARGV[6], 'turn_prompt', ARGV[7],
            'turn_finish', ARGV[8])
-redis.call('HSETNX', KEYS[2], 'created', ARGV[3])
-local ttl = tonumber(ARGV[4])
-if ttl > 0 then
-  redis.call('PEXPIRE', KEYS[1], ttl)
-  redis.call('PEXPIRE', KEYS[2], ttl)
-end
-return {1, n}
-"""
+""" + _CREATED_AND_TTL
 
 # Per tenant: how many sessions and tokens it keeps (three keys under the
 # tenant's hash tag). KEYS: sizes (hash session -> tokens), used (zset

@@ -121,3 +121,23 @@ def test_overlapped_steps_equal_synchronous(tmp_path):
         runs[overlap] = (outs, reasons, turns)
     assert runs[True] == runs[False]
     assert "stop" in runs[True][1] and "length" in runs[True][1]
+
+
+def test_close_gives_every_byte_back_and_a_second_engine_starts(tmp_path):
+    import gc
+
+    path = tiny_model(tmp_path, 64, 2)
+    params = SamplingParams(max_tokens=24, **GREEDY)
+    batch = prompts(4, 3)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    runs = []
+    for _ in range(2):  # the second engine in the same process, after the first closed
+        with Engine(EngineConfig(model=path, device="cuda", dtype="bf16", max_batch_size=4,
+                                 block_size=64, kv_cache_fraction=0.5)) as eng:
+            runs.append([r.token_ids for r in eng.generate(input_ids=batch, params=params)])
+            assert eng.runner.graphs is not None and torch.cuda.memory_allocated() > before
+        gc.collect()
+        torch.cuda.synchronize()
+        assert torch.cuda.memory_allocated() == before, "the closed engine still holds memory"
+    assert runs[0] == runs[1]

@@ -369,12 +369,20 @@ class Engine:
             self._thread = None
 
     def close(self) -> None:
-        """Stop, and end the other tensor-parallel ranks; the engine is done."""
+        """Stop, end the other tensor-parallel ranks and give back every tensor
+        (weights, KV pool, graphs): the engine is done. Also `with Engine(...)`."""
         self.stop()
         if self.ranks is not None:
             self.runner.release_graphs()
             self.ranks.close()
             self.ranks = None
+        self.runner.close()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def _loop(self) -> None:
         while not self._stopping:

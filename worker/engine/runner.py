@@ -121,6 +121,17 @@ class ModelRunner:
             self.graphs.release()
             torch.cuda.synchronize(self.device)
 
+    def close(self) -> None:
+        """Give back every tensor: graphs (and their memory pool), the KV pool,
+        the weights, the token buffers. The runner is done."""
+        if self.model is None:
+            return
+        self.release_graphs()
+        self.graphs = self.kv_cache = self.model = None
+        self._token_buffers = []
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # the allocator's cache too, back to the driver
+
     # ------------------------------------------------------------ steps
     def graphable(self, batch_size: int, max_context: int) -> bool:
         """Whether a decode step of this shape can replay a captured graph."""

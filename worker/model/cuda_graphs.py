@@ -146,8 +146,10 @@ class DecodeGraphs:
         return logits[:b]
 
     def release(self) -> None:
-        """Drop every captured graph (captured again on next use)."""
+        """Drop every captured graph (captured again on next use) and the
+        memory pool they shared."""
         self._graphs.clear()
+        self._pool = torch.cuda.graph_pool_handle()
 
     def _batch(self, bucket: int, context_bucket: int) -> AttentionBatch:
         return AttentionBatch(

@@ -21,7 +21,7 @@ from prometheus_client import CollectorRegistry
 
 from conftest import free_port, require_binary
 from turbomq.clients.keys import init_deployment
-from turbomq.monitoring import WorkerMetrics, serve_metrics, series_names
+from turbomq.monitoring import WorkerMetrics, serve_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "docker-compose.yml"

@@ -13,7 +13,7 @@ import msgpack
 import pytest
 import zmq
 
-from turbomq.clients import AsyncClient, Client, Delta, Final, Overloaded, Timeout, Unavailable, UnknownSession
+from turbomq.clients import AsyncClient, Client, Delta, Final, Overloaded, Timeout, UnknownSession
 from turbomq.clients import protocol as P
 
 from _service_helpers import Service, expected_echo

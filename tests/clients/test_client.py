@@ -10,7 +10,6 @@ import zmq
 
 from turbomq.clients import (AsyncClient, Client, Delta, Final, InvalidRequest, ServerError,
                              Timeout, TurbomqError, errors)
-from turbomq.clients import protocol as P
 
 from _service_helpers import Service, expected_echo
 

@@ -54,7 +54,7 @@ def test_logits_match_transformers(name, tmp_path):
             assert diff <= 1e-4, f"{name}: prompt {length}, chunks {chunks}: max |diff| {diff}"
 
 
-def hf_greedy(hf: LlamaForCausalLM, prompt: list[int], n: int) -> list[int]:
+def hf_greedy(hf: "LlamaForCausalLM", prompt: list[int], n: int) -> list[int]:
     hf.generation_config.eos_token_id = None  # like ignore_eos: EOS is just a token
     out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                       max_new_tokens=n, do_sample=False, pad_token_id=0)

@@ -82,3 +82,15 @@ def test_generate_over_two_ranks_gives_the_same_tokens():
     two = run(TURBOMQ + args + ["--tensor-parallel", "2"])
     assert two.returncode == 0, two.stderr
     assert json.loads(two.stdout)["token_ids"] == json.loads(one.stdout)["token_ids"]
+
+
+def test_a_missing_extra_is_named_in_one_line():
+    # torch absent (made unimportable): `turbomq generate` says which extra brings it.
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "from turbomq.worker.cli.main import main\n"
+            f"sys.exit(main(['generate', '--model', {demo_model_dir()!r}, '--input-ids', '1,2', "
+            "'--max-tokens', '2']))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "pip install 'turbomq[worker]'" in lines[0], out.stderr

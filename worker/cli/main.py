@@ -316,5 +316,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from turbomq.broker.main import main as broker_main
         return broker_main(argv[1:])
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except ModuleNotFoundError as e:
+        extra = _EXTRAS.get((e.name or "").split(".")[0])
+        if extra is None:
+            raise
+        print(f"turbomq {argv[0]}: error: {e.name} is not installed; this command needs "
+              f"turbomq's [{extra}] extra: pip install 'turbomq[{extra}]' (README: install torch "
+              f"first to choose its CPU or CUDA build)", file=sys.stderr)
+        return 2
+
+
+# The optional dependencies by the extra that brings them (pyproject.toml).
+_EXTRAS = {"torch": "worker", "redis": "worker", "prometheus_client": "worker"}
 

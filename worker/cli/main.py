@@ -144,35 +144,39 @@ def cmd_generate(args: argparse.Namespace) -> int:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                                 top_p=args.top_p, top_k=args.top_k, seed=args.seed)
         engine = Engine(_engine_config(args))
-        inputs = {"prompt": args.prompt} if args.prompt is not None else {"input_ids": args.input_ids}
-        if args.json:
-            batch = {"prompts": [args.prompt]} if args.prompt is not None else {"input_ids": [args.input_ids]}
-            result = engine.generate(params=params, **batch)[0]
-            if result.error is not None:
-                raise result.error
-            print(json.dumps({"token_ids": result.token_ids, "text": result.text,
-                              "finish_reason": result.finish_reason,
-                              "usage": vars(result.usage)}))
-            return 0
-        final = {}
+        if args.prompt is not None:
+            inputs = {"prompt": args.prompt}
+        elif args.messages is not None:  # a JSON list of {"role", "content"}
+            with open(args.messages, encoding="utf-8") as f:
+                inputs = {"messages": json.load(f)}
+        else:
+            inputs = {"input_ids": args.input_ids}
+        final, chunks = {}, []
 
         def show(event) -> None:
-            sys.stdout.write(event.text)
-            sys.stdout.flush()
+            chunks.append(event)
+            if not args.json:
+                sys.stdout.write(event.text)
+                sys.stdout.flush()
             if event.finished:
                 final["event"] = event
 
         engine.submit(params=params, callback=show, **inputs)
         while "event" not in final:
             engine.step()
-        sys.stdout.write("\n")
         event = final["event"]
         if event.error is not None:
             raise event.error
+        if args.json:
+            print(json.dumps({"token_ids": [t for c in chunks for t in c.token_ids],
+                              "text": "".join(c.text for c in chunks),
+                              "finish_reason": event.finish_reason, "usage": vars(event.usage)}))
+            return 0
+        sys.stdout.write("\n")
         print(f"[{event.finish_reason}; prompt {event.usage.prompt_tokens} tokens, "
               f"generated {event.usage.completion_tokens}]", file=sys.stderr)
         return 0
-    except (EngineError, InvalidParams, ValueError) as e:
+    except (EngineError, InvalidParams, ValueError, OSError) as e:
         print(f"turbomq generate: error: {e}", file=sys.stderr)
         return 2
     finally:
@@ -209,6 +213,9 @@ def build_parser() -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--input-ids", type=_int_list, help="prompt token IDs, e.g. 1,2,3")
+    src.add_argument("--messages", metavar="FILE",
+                     help='a JSON list of {"role": ..., "content": ...}, rendered with the '
+                          "model's chat template")
     p.add_argument("--max-tokens", type=int, default=64, help="new tokens to generate")
     p.add_argument("--temperature", type=float, default=1.0, help="0 means greedy")
     p.add_argument("--top-p", type=float, default=1.0)

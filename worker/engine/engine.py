@@ -20,6 +20,7 @@ from typing import AsyncIterator, Callable, Optional, Sequence as Seq, Union
 import numpy as np
 
 from . import errors, ranks
+from .chat_template import ChatTemplate, ChatTemplateError
 from .config import EngineConfig
 from .output import TextStream
 from .runner import ModelRunner, SampledTokens, StepInputs
@@ -33,6 +34,12 @@ from ..model.weights import load_checkpoint
 from ..._native import KVCacheManager, SeqState
 
 log = logging.getLogger("turbomq.engine")
+
+
+@dataclass(frozen=True)
+class _Messages:
+    """A chat prompt, rendered by the model's template when tokenized."""
+    messages: Seq[dict]
 
 
 @dataclass(frozen=True)
@@ -117,9 +124,14 @@ class Engine:
         # A model without tokenizer.json still serves token IDs (no text).
         self.tokenizer = (Tokenizer.from_dir(config.model)
                           if (Path(config.model) / "tokenizer.json").exists() else None)
+        self.chat_template = (ChatTemplate.from_dir(config.model)
+                              if self.tokenizer is not None else None)
         self.eos_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None:
             self.eos_ids |= set(self.tokenizer.eos_token_ids)
+        # The texts of the end-of-turn tokens, for rendering later chat turns.
+        self._end_of_turn = ([self.tokenizer.decode([t], skip_special_tokens=False)
+                              for t in sorted(self.eos_ids)] if self.tokenizer else [])
         self.max_model_len = self.runner.max_model_len
         num_blocks = self.runner.kv_blocks_that_fit()
         if self.ranks is not None:
@@ -161,24 +173,31 @@ class Engine:
     def submit(self, input_ids: Optional[Seq[int]] = None, params: Optional[SamplingParams] = None,
                session_id: Optional[str] = None, callback: Optional[Callback] = None,
                prompt: Optional[str] = None, request_id: Optional[str] = None,
-               resume_tokens: Seq[int] = (), turn_id: Optional[str] = None) -> str:
+               resume_tokens: Seq[int] = (), turn_id: Optional[str] = None,
+               messages: Optional[Seq[dict]] = None) -> str:
         """Queue one request; tokens reach `callback` from the step thread.
         `resume_tokens` continues a generation that another worker started:
         those tokens count as already generated and delivered (they are not
         streamed again) and the seeded sampler skips their draws. `turn_id`
         names a session turn however often it is sent (default: request_id):
         a turn the session has committed already is answered from the store.
+        `messages` ([{"role", "content"}, ...]) is rendered with the model's
+        chat template; in a session with history, only these new messages.
         Raises a typed EngineError for bad input; nothing is queued then."""
         params = params or SamplingParams()
         params.validate(self.model_config.vocab_size)
-        if (input_ids is None) == (prompt is None):
-            raise errors.InvalidRequest("give exactly one of prompt or input_ids")
+        if sum(x is not None for x in (input_ids, prompt, messages)) != 1:
+            raise errors.InvalidRequest("give exactly one of prompt, input_ids or messages")
+        if messages is not None:
+            if self.chat_template is None:
+                raise errors.InvalidRequest("this model has no chat template: send a prompt")
+            prompt = _Messages(messages)
         if params.stop and self.tokenizer is None:
             raise errors.InvalidRequest("stop strings need a model with a tokenizer")
         if prompt is not None:
             if self.tokenizer is None:
                 raise errors.InvalidRequest("this model has no tokenizer: send input_ids")
-            if not isinstance(prompt, str):
+            if not isinstance(prompt, (str, _Messages)):
                 raise errors.InvalidRequest("prompt must be a string")
         if session_id is not None and not isinstance(session_id, str):
             raise errors.InvalidRequest("session_id must be a string")
@@ -676,8 +695,19 @@ class Engine:
         except SessionStoreError as e:
             raise errors.SessionStoreUnavailable(str(e)) from e
 
-    def _prompt_ids(self, prompt: Optional[str], input_ids: object, add_bos: bool) -> list[int]:
-        if prompt is not None:
+    def _prompt_ids(self, prompt, input_ids: object, add_bos: bool) -> list[int]:
+        """The prompt's token ids. `add_bos` says the prompt opens its
+        sequence (no session history): a text gets BOS, messages render as a
+        whole conversation rather than a continuation."""
+        if isinstance(prompt, _Messages):
+            try:
+                text = (self.chat_template.render(prompt.messages) if add_bos
+                        else self.chat_template.render_continuation(prompt.messages,
+                                                                    self._end_of_turn))
+            except ChatTemplateError as e:
+                raise errors.InvalidRequest(str(e)) from None
+            input_ids = self.tokenizer.encode(text, add_bos=False)  # the template writes BOS
+        elif prompt is not None:
             input_ids = self.tokenizer.encode(prompt, add_bos=add_bos)
         return self._check_ids(input_ids)
 

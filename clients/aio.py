@@ -191,7 +191,7 @@ class AsyncClient:
                  temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
                  stop: Union[str, Sequence[str], None] = None, seed: Optional[int] = None,
                  stream: bool = False, timeout: Optional[float] = None,
-                 request_id: Optional[str] = None,
+                 request_id: Optional[str] = None, messages: Optional[Sequence[dict]] = None,
                  **params: Any) -> Union[Awaitable[Result], AsyncIterator[Union[Delta, Final]]]:
         """`await c.generate(...)` -> Result; `async for e in c.generate(..., stream=True)`.
         Bad arguments raise InvalidRequest at once."""
@@ -199,7 +199,7 @@ class AsyncClient:
         msg = generate_message(
             prompt, input_ids, session_id,
             sampling_params(max_tokens, temperature, top_p, top_k, stop, seed, params),
-            stream, timeout, request_id, self.limits)
+            stream, timeout, request_id, self.limits, messages)
         deadline_in = timeout + DEADLINE_GRACE_S
         if stream:
             return self._stream(msg, deadline_in)

@@ -170,15 +170,18 @@ class Client:
                  temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
                  stop: Union[str, Sequence[str], None] = None, seed: Optional[int] = None,
                  stream: bool = False, timeout: Optional[float] = None,
-                 request_id: Optional[str] = None, **params: Any) -> Union[Result, "Stream"]:
-        """Generate from a text prompt or token ids. `**params`: any other
+                 request_id: Optional[str] = None, messages: Optional[Sequence[dict]] = None,
+                 **params: Any) -> Union[Result, "Stream"]:
+        """Generate from a text prompt, token ids or chat `messages`
+        ([{"role", "content"}, ...], rendered with the model's chat template;
+        in a session, a turn's new messages only). `**params`: any other
         SamplingParams field (min_p, repetition_penalty, stop_token_ids, ...).
         stream=False returns a Result; stream=True a Stream of Delta ending with a Final."""
         timeout = timeout or self.timeout
         msg = generate_message(
             prompt, input_ids, session_id,
             sampling_params(max_tokens, temperature, top_p, top_k, stop, seed, params),
-            stream, timeout, request_id, self.limits)
+            stream, timeout, request_id, self.limits, messages)
         deadline = time.monotonic() + timeout + DEADLINE_GRACE_S
         rid = self._open_generate(msg, deadline)
         if stream:

@@ -56,11 +56,12 @@ def split_prompt(prompt: PromptLike, input_ids: Optional[Sequence[int]]) -> tupl
 
 def generate_message(prompt: PromptLike, input_ids: Optional[Sequence[int]],
                      session_id: Optional[str], sampling: dict, stream: bool, timeout: float,
-                     request_id: Optional[str], limits: P.Limits) -> dict:
+                     request_id: Optional[str], limits: P.Limits,
+                     messages: Optional[Sequence[dict]] = None) -> dict:
     """A checked `generate` message: the part the sync and async clients share."""
     prompt, input_ids = split_prompt(prompt, input_ids)
     msg = P.generate(request_id or new_id(), prompt, input_ids, session_id, sampling, stream,
-                     timeout)
+                     timeout, messages=list(messages) if messages is not None else None)
     encode_checked(msg, limits)
     return msg
 

@@ -21,10 +21,11 @@ def _msg(kind: str, **fields: Any) -> dict:
 def generate(request_id: str, prompt: Optional[str] = None, input_ids: Optional[list] = None,
              session_id: Optional[str] = None, params: Optional[dict] = None,
              stream: bool = False, timeout: Optional[float] = None,
-             resume_tokens: Optional[list] = None, resume_text: Optional[str] = None) -> dict:
+             resume_tokens: Optional[list] = None, resume_text: Optional[str] = None,
+             messages: Optional[list] = None) -> dict:
     return _msg(Kind.GENERATE, request_id=request_id, prompt=prompt, input_ids=input_ids,
-                session_id=session_id, params=params or {}, stream=stream, timeout=timeout,
-                resume_tokens=resume_tokens, resume_text=resume_text)
+                messages=messages, session_id=session_id, params=params or {}, stream=stream,
+                timeout=timeout, resume_tokens=resume_tokens, resume_text=resume_text)
 
 
 def cancel(request_id: str, attempt: Optional[int] = None) -> dict:

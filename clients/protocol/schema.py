@@ -87,7 +87,8 @@ class Limits:
 
     max_frame_bytes: int = 1 << 20
     max_prompt_tokens: int = 65536
-    max_prompt_chars: int = 262144
+    max_prompt_chars: int = 262144  # a prompt's, or all its messages' contents
+    max_messages: int = 1024  # messages in one chat prompt
     max_id_chars: int = 128  # request ids, session ids, worker ids, model ids
     max_tenant_chars: int = 64  # tenant names (the client key's name on the broker's list)
     max_new_tokens: int = 65536  # bound on params.max_tokens and on resume_tokens
@@ -118,8 +119,8 @@ _END_SESSION = _fields("request_id", "session_id")  # end_session and session_en
 _END_SESSION_B = _fields("request_id", "session_id", "tenant")  # end_session, broker -> worker
 
 # client -> broker
-_GENERATE = _fields("request_id", "prompt", "input_ids", "session_id", "params", "stream", "timeout",
-                    "resume_tokens", "resume_text")
+_GENERATE = _fields("request_id", "prompt", "input_ids", "messages", "session_id", "params",
+                    "stream", "timeout", "resume_tokens", "resume_text")
 
 # broker -> client
 _DELTA_C = _fields("request_id", "seq", "index", "token_ids", "text")
@@ -138,7 +139,8 @@ _FINAL_W = _fields("request_id", "attempt", "finish_reason", "usage", "token_ids
 
 # broker -> worker
 _REGISTERED_B = _fields("heartbeat_interval", "liveness", "broker_id")
-_DISPATCH = _fields("request_id", "attempt", "prompt", "input_ids", "session_id", "params",
+_DISPATCH = _fields("request_id", "attempt", "prompt", "input_ids", "messages", "session_id",
+                    "params",
                     "resume_tokens", "resume_text", "timeout", "turn_id", "tenant")
 _CANCEL_B = _fields("request_id", "attempt")
 

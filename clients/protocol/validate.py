@@ -150,13 +150,32 @@ def _check_params(msg: dict, limits: Limits) -> None:
 
 # ------------------------------------------------- checks shared by kinds
 def _check_prompt(msg: dict, limits: Limits) -> None:
-    has_prompt, has_ids = msg.get("prompt") is not None, msg.get("input_ids") is not None
-    if has_prompt == has_ids:
-        raise _bad(msg, "give exactly one of prompt or input_ids")
-    if has_prompt:
+    given = [k for k in ("prompt", "input_ids", "messages") if msg.get(k) is not None]
+    if len(given) != 1:
+        raise _bad(msg, "give exactly one of prompt, input_ids or messages")
+    if given[0] == "prompt":
         _check_str(msg, "prompt", limits.max_prompt_chars)
-    else:
+    elif given[0] == "input_ids":
         _check_ids(msg, "input_ids", limits.max_prompt_tokens, min_len=1)
+    else:
+        _check_messages(msg, limits)
+
+
+def _check_messages(msg: dict, limits: Limits) -> None:
+    """A chat prompt: [{"role": str, "content": str}, ...], rendered by the
+    worker with the model's chat template; its text counts against the
+    prompt's character limit."""
+    messages = msg["messages"]
+    if type(messages) is not list or not 0 < len(messages) <= limits.max_messages:
+        raise _bad(msg, f"messages must be a list of 1..{limits.max_messages} messages")
+    chars = 0
+    for m in messages:
+        if (type(m) is not dict or m.keys() != {"role", "content"} or type(m["role"]) is not str
+                or type(m["content"]) is not str or not 0 < len(m["role"]) <= 32):
+            raise _bad(msg, "each message must be {role: str (1..32 characters), content: str}")
+        chars += len(m["content"])
+    if chars > limits.max_prompt_chars:
+        raise _bad(msg, f"messages hold {chars} characters, over {limits.max_prompt_chars}")
 
 
 def _check_timeout(msg: dict, limits: Limits) -> None:

@@ -84,6 +84,7 @@ py::object client_fields(const broker::ClientRequest& r) {
   d["session_id"] = r.has_session ? py::object(py::str(r.session_id.data(), r.session_id.size()))
                                   : py::object(py::none());
   d["has_prompt"] = r.has_prompt;
+  d["has_messages"] = r.has_messages;
   d["prompt_or_ids"] = py::bytes(r.prompt_or_ids.data(), r.prompt_or_ids.size());
   d["params"] = py::bytes(r.params.data(), r.params.size());
   d["stream"] = r.stream;

@@ -49,7 +49,7 @@ struct BrokerCore::Pending {
   std::string key;      // broker-assigned id used towards workers
   std::string client;   // routing id on the front socket
   std::string request_id;  // the client's id
-  bool has_prompt = false;
+  bool has_prompt = false, has_messages = false;
   std::string prompt_or_ids, params;  // encoded, as the client sent them
   bool stream = false;
   bool has_session = false;

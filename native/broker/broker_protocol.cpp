@@ -190,9 +190,13 @@ bool read_client_request(const Document& doc, ClientRequest& out) {
   if (out.kind != "generate") return true;
   const Node* prompt = doc.get(msg, "prompt");
   const Node* ids = doc.get(msg, "input_ids");
+  const Node* messages = doc.get(msg, "messages");
   if (!none(prompt)) {
     out.has_prompt = true;
     out.prompt_or_ids = span(*prompt);
+  } else if (!none(messages)) {
+    out.has_messages = true;
+    out.prompt_or_ids = span(*messages);
   } else if (!none(ids)) {
     out.prompt_or_ids = span(*ids);
   } else {

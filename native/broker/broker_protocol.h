@@ -43,6 +43,7 @@ struct ClientRequest {
   // generate: the encoded prompt (a str) or input_ids (an array), and params
   // (a map; empty when absent), forwarded to the worker as they came.
   bool has_prompt = false;
+  bool has_messages = false;  // a chat prompt, in prompt_or_ids
   std::string_view prompt_or_ids;
   std::string_view params;
   bool stream = false;

@@ -73,6 +73,7 @@ void BrokerCore::on_generate(const std::string& client, const ClientRequest& req
   p->client = client;
   p->request_id = rid;
   p->has_prompt = req.has_prompt;
+  p->has_messages = req.has_messages;
   p->prompt_or_ids.assign(req.prompt_or_ids);
   p->params.assign(req.params);
   p->stream = req.stream;
@@ -123,7 +124,8 @@ void BrokerCore::dispatch(const PendingPtr& p, const WorkerPtr& worker, double t
   msgpack::Writer w = begin_message("dispatch", p->has_session ? 10 : 9);
   key(w, "request_id"); w.str(p->key);
   key(w, "attempt"); w.integer(p->attempt + 1);
-  key(w, p->has_prompt ? "prompt" : "input_ids"); w.raw(p->prompt_or_ids);
+  key(w, p->has_prompt ? "prompt" : p->has_messages ? "messages" : "input_ids");
+  w.raw(p->prompt_or_ids);
   key(w, "params");
   if (p->params.empty()) w.map(0); else w.raw(p->params);
   key(w, "resume_tokens"); w.array(static_cast<uint32_t>(p->delivered.size()));

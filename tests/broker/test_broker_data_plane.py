@@ -112,9 +112,12 @@ def _decode(side: int, frame: bytes):
 def _client_fields(msg: dict) -> dict:
     generate = msg["kind"] == "generate"
     has_prompt = generate and msg.get("prompt") is not None
+    has_messages = generate and msg.get("messages") is not None
+    source = "prompt" if has_prompt else "messages" if has_messages else "input_ids"
     return {"kind": msg["kind"], "request_id": msg.get("request_id", ""),
             "session_id": msg.get("session_id"), "has_prompt": has_prompt,
-            "prompt_or_ids": (msg["prompt"] if has_prompt else msg["input_ids"]) if generate else None,
+            "has_messages": has_messages,
+            "prompt_or_ids": msg[source] if generate else None,
             "params": msg.get("params") or {}, "stream": msg.get("stream", False),
             "timeout": float(msg.get("timeout") or 0.0)}
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -560,3 +561,37 @@ def test_counters_follow_hits_evictions_and_misses(cluster, client_for):
     reaches("turbomq_session_cache_misses_total", misses + 1, "a miss for the evicted session")
     assert count("turbomq_session_cache_misses_total") == misses + 1
     assert count("turbomq_reprefilled_tokens_total") > 0
+
+
+def test_messages_through_the_service(cluster, client_for, tmp_path):
+    # A chat prompt travels as messages (protocol, broker, worker) and the
+    # worker renders it with the model's template; a session's later turn
+    # sends only its new messages.
+    model = tmp_path / "chat-model"
+    shutil.copytree(demo_model_dir(), model)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config["chat_template"] = (Path(__file__).resolve().parents[1] / "data" / "chat_templates"
+                               / "chatml.jinja").read_text()
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    svc = cluster()
+    svc.start_worker("w0", extra=("--model", str(model)))
+    svc.wait_ready("w0")
+    client = client_for(svc.front)
+    wait_until(lambda: client.health()["workers"] == 1, 30, "the worker registered")
+    first = [{"role": "user", "content": "Name a colour."}]
+    then = [{"role": "user", "content": "And another one?"}]
+    from turbomq.worker import Engine, EngineConfig, SamplingParams
+    params = SamplingParams(max_tokens=6, **GREEDY)
+    with Engine(EngineConfig(model=str(model), max_batch_size=2)) as ref:
+        want = []
+        for turn in (first, then):
+            events = []
+            ref.submit(messages=turn, params=params, session_id="ref", callback=events.append)
+            while not (events and events[-1].finished):
+                ref.step()
+            want.append([t for e in events for t in e.token_ids])
+    chat = client.session("colours", max_tokens=6, **GREEDY)
+    got = [chat.send(None, messages=turn).token_ids for turn in (first, then)]
+    assert got == want
+    with pytest.raises(InvalidRequest):  # a malformed message is refused at the client
+        client.generate(messages=[{"role": "user"}])

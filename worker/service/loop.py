@@ -366,6 +366,7 @@ class WorkerService:
             self._engine_ids[(link.index, key, attempt)] = engine_id
             self._queued_ids.add(engine_id)
             self.engine.submit(input_ids=msg.get("input_ids"), prompt=msg.get("prompt"),
+                               messages=msg.get("messages"),
                                params=params, session_id=sid, request_id=engine_id,
                                callback=partial(self._on_engine_event, engine_id),
                                resume_tokens=resume, turn_id=msg.get("turn_id"))

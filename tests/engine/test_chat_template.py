@@ -114,9 +114,19 @@ def test_engine_takes_messages_and_session_turns(tmp_path):
             eng.submit(messages=CONVERSATION, prompt="both", params=params)
 
 
-def test_a_model_without_a_template_refuses_messages():
+def test_the_demo_model_has_a_template_and_a_model_without_one_refuses_messages(tmp_path):
     with Engine(EngineConfig(model=demo_model_dir(), max_batch_size=1, block_size=16)) as eng:
-        if eng.chat_template is not None:
-            pytest.skip("the demo model ships a chat template")
+        text = eng.chat_template.render(CONVERSATION)
+        assert text.startswith("<s>user: Hello, who are you?</s>\n")
+        assert text.endswith("<s>assistant: ")
+        assert eng.chat_template.render_continuation(CONVERSATION[2:], eng._end_of_turn) == \
+            "\n<s>user: Tell me about the sea.</s>\n<s>assistant: "
+    model = tmp_path / "plain"
+    shutil.copytree(demo_model_dir(), model)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    with Engine(EngineConfig(model=str(model), max_batch_size=1, block_size=16)) as eng:
+        assert eng.chat_template is None
         with pytest.raises(errors.InvalidRequest, match="no chat template"):
             eng.submit(messages=CONVERSATION[:1])

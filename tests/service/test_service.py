@@ -511,10 +511,23 @@ def test_malformed_input_via_the_broker(cluster, client_for):
     assert svc.alive()
 
 
-def test_chat_command_keeps_a_session(cluster, client_for):
+@pytest.mark.parametrize("template", [True, False], ids=["messages", "no-template-text"])
+def test_chat_command_keeps_a_session(cluster, client_for, tmp_path, template):
+    # The demo model has a chat template: lines go as messages. A model
+    # without one gets them as plain text.
     svc = cluster()
     client = client_for(svc.front)
-    svc.start_workers(client, 1)
+    if template:
+        svc.start_workers(client, 1)
+    else:
+        model = tmp_path / "plain"
+        shutil.copytree(demo_model_dir(), model)
+        config = json.loads((model / "tokenizer_config.json").read_text())
+        del config["chat_template"]
+        (model / "tokenizer_config.json").write_text(json.dumps(config))
+        svc.start_worker("w0", extra=("--model", str(model)))
+        svc.wait_ready("w0")
+        wait_until(lambda: client.health()["workers"] == 1, 30, "the worker registered")
     out = subprocess.run(
         ["timeout", "-s", "KILL", "60", PY, "-m", "turbomq.worker.cli", "chat", "--broker",
          svc.front, "--max-tokens", "5", "--temperature", "0"],

@@ -115,6 +115,12 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
+DEMO_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ bos_token }}{{ message['role'] }}: "
+    "{{ message['content'] }}{{ eos_token }}\n{% endfor %}"
+    "{% if add_generation_prompt %}{{ bos_token }}assistant: {% endif %}")
+
+
 def write_demo_tokenizer(out_dir: str | Path) -> Path:
     """Write `tokenizer.json` and `tokenizer_config.json` of the demo tokenizer."""
     out = Path(out_dir)
@@ -129,6 +135,9 @@ def write_demo_tokenizer(out_dir: str | Path) -> Path:
         "clean_up_tokenization_spaces": False,
         "model_max_length": 4096,
         "tokenizer_class": "PreTrainedTokenizerFast",
+        # A small chat template: each message "<s>role: content</s>", then the
+        # generation prompt "<s>assistant: " (docs/tokenizer.md, Chat templates).
+        "chat_template": DEMO_CHAT_TEMPLATE,
     })
     return out
 

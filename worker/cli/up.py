@@ -27,6 +27,30 @@ log = logging.getLogger("turbomq.up")
 START_TIMEOUT_S = 120.0  # model load included
 
 
+def gpu_count() -> int:
+    """NVIDIA GPUs this process may use (CUDA_VISIBLE_DEVICES honoured), found
+    without torch: the driver's `nvidia-smi -L`."""
+    try:
+        listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    count = sum(line.startswith("GPU ") for line in listed.stdout.splitlines()) \
+        if listed.returncode == 0 else 0
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        count = min(count, len([d for d in visible.split(",") if d.strip()]))
+    return count
+
+
+def resolve_device(device: str, workers: Optional[int]) -> tuple[str, int]:
+    """`auto`: the GPUs when there are any (one worker per GPU), else the CPU (2 workers)."""
+    if device == "auto":
+        device = "cuda" if gpu_count() > 0 else "cpu"
+    if workers is None:
+        workers = max(gpu_count(), 1) if device == "cuda" else 2
+    return device, workers
+
+
 @dataclass
 class UpConfig:
     model: str
@@ -264,7 +288,9 @@ def smoke(front, workers: int, curve=None) -> str:
                 raise RuntimeError("the workers did not register with the broker")
             time.sleep(0.1)
         text = []
-        for event in client.generate("Once upon a time", max_tokens=48, temperature=0.8, seed=0,
+        question = [{"role": "user", "content": "What is the capital of France?"}]
+        print(f"> {question[0]['content']}", flush=True)
+        for event in client.generate(messages=question, max_tokens=48, temperature=0,
                                      stream=True):
             if isinstance(event, Final):
                 print(f"\n[{event.finish_reason}; {event.usage.completion_tokens} tokens]", flush=True)

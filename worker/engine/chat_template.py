@@ -24,6 +24,8 @@ import jinja2
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from ..model.files import read_model_file
+
 _REPLY = "turbomq-earlier-reply"  # a stand-in for the model's last reply
 _EARLIER = [{"role": "user", "content": "turbomq-earlier-turn"},
             {"role": "assistant", "content": _REPLY}]
@@ -71,15 +73,12 @@ class ChatTemplate:
     @classmethod
     def from_dir(cls, path: str | Path) -> Optional["ChatTemplate"]:
         """The model's template, or None when it ships none."""
-        path = Path(path)
-        config = {}
-        if (path / "tokenizer_config.json").is_file():
-            config = json.loads((path / "tokenizer_config.json").read_text())
+        config = json.loads(read_model_file(path, "tokenizer_config.json") or "{}")
         source = config.get("chat_template")
         if isinstance(source, list):  # named templates: the default one
             source = next((t.get("template") for t in source if t.get("name") == "default"), None)
-        if source is None and (path / "chat_template.jinja").is_file():
-            source = (path / "chat_template.jinja").read_text()
+        if source is None:
+            source = read_model_file(path, "chat_template.jinja")
         if not source:
             return None
         return cls(source, _content(config.get("bos_token")), _content(config.get("eos_token")))

@@ -30,6 +30,7 @@ from .session_store import (InMemorySessionStore, SessionConflict, SessionFull, 
                             SessionModelMismatch, SessionStore, SessionStoreError,
                             TenantQuotaExceeded, TurnRecord)
 from .tokenizer import Tokenizer
+from ..model.files import has_model_file
 from ..model.weights import load_checkpoint
 from ..._native import KVCacheManager, SeqState
 
@@ -123,7 +124,7 @@ class Engine:
         self.model_config = self.runner.model.config
         # A model without tokenizer.json still serves token IDs (no text).
         self.tokenizer = (Tokenizer.from_dir(config.model)
-                          if (Path(config.model) / "tokenizer.json").exists() else None)
+                          if has_model_file(config.model, "tokenizer.json") else None)
         self.chat_template = (ChatTemplate.from_dir(config.model)
                               if self.tokenizer is not None else None)
         self.eos_ids = set(self.model_config.eos_token_ids)
@@ -301,11 +302,16 @@ class Engine:
     def generate(self, prompts: Optional[Union[str, Seq[str]]] = None,
                  input_ids: Optional[Seq[Seq[int]]] = None,
                  params: Optional[SamplingParams] = None,
-                 session_id: Optional[str] = None) -> list[GenerationResult]:
-        """Offline batch generation; one result per input, in order."""
-        if (prompts is None) == (input_ids is None):
-            raise errors.InvalidRequest("give exactly one of prompts or input_ids")
-        inputs = [prompts] if isinstance(prompts, str) else list(prompts if prompts is not None else input_ids)
+                 session_id: Optional[str] = None,
+                 messages: Optional[Seq[Seq[dict]]] = None) -> list[GenerationResult]:
+        """Offline batch generation; one result per input, in order. `messages`
+        holds one conversation ([{"role", "content"}, ...]) per input."""
+        given = {"prompt": prompts, "input_ids": input_ids, "messages": messages}
+        given = {k: v for k, v in given.items() if v is not None}
+        if len(given) != 1:
+            raise errors.InvalidRequest("give exactly one of prompts, input_ids or messages")
+        (kind, inputs), = given.items()
+        inputs = [inputs] if isinstance(inputs, str) else list(inputs)
         if session_id is not None and len(inputs) != 1:
             raise errors.InvalidRequest("a session takes one input per call")
         results: dict[str, GenerationResult] = {}
@@ -325,10 +331,9 @@ class Engine:
             rid = uuid.uuid4().hex
             results[rid] = GenerationResult(rid, [], "", None, None)
             ids.append(rid)
-            kwargs = {"prompt": item} if prompts is not None else {"input_ids": item}
             try:
                 self.submit(params=params, session_id=session_id, callback=collect,
-                            request_id=rid, **kwargs)
+                            request_id=rid, **{kind: item})
             except Exception:
                 # all or nothing: withdraw what this call already queued
                 ids.pop()

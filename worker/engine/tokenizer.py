@@ -12,6 +12,8 @@ from typing import Any, Iterable, Optional, Sequence
 
 from tokenizers import Tokenizer as HFTokenizer
 
+from ..model.files import read_model_file
+
 REPLACEMENT_CHAR = "\ufffd"
 
 
@@ -19,13 +21,14 @@ class TokenizerError(ValueError):
     """A model directory has no usable tokenizer, or token ids are out of range."""
 
 
-def _read_optional_json(path: Path) -> dict[str, Any]:
-    """The JSON object in `path`, or {} when the file is absent. Invalid JSON is an error:
-    silently ignoring a broken config would change BOS/EOS handling without notice."""
+def _read_optional_json(model: Path, name: str) -> dict[str, Any]:
+    """The JSON object in the model's file `name`, or {} when it is absent. Invalid
+    JSON is an error: silently ignoring a broken config would change BOS/EOS
+    handling without notice."""
+    path = model / name
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        return {}
+        text = read_model_file(model, name)
+        data = {} if text is None else json.loads(text)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise TokenizerError(f"{path} is not valid JSON: {e}") from None
     if not isinstance(data, dict):
@@ -80,7 +83,7 @@ class Tokenizer:
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "Tokenizer":
-        """Load `tokenizer.json` from a HF model directory.
+        """Load `tokenizer.json` from a HF model directory (or a GGUF file, read as one).
 
         BOS: `tokenizer_config.json` `bos_token`, else `bos_token_id` from config.json,
         then generation_config.json. `add_bos_token: false` in tokenizer_config.json turns
@@ -89,16 +92,17 @@ class Tokenizer:
         """
         path = Path(path)
         tok_file = path / "tokenizer.json"
-        if not tok_file.is_file():
+        text = read_model_file(path, "tokenizer.json")
+        if text is None:
             raise TokenizerError(f"no tokenizer.json in {path}: the model directory needs a HF fast tokenizer")
         try:
-            hf = HFTokenizer.from_file(str(tok_file))
+            hf = HFTokenizer.from_str(text)
         except Exception as e:  # the Rust side raises a bare Exception with the parse error
             raise TokenizerError(f"{tok_file} is not a valid tokenizer: {e}") from None
 
-        tok_cfg = _read_optional_json(path / "tokenizer_config.json")
-        cfg = _read_optional_json(path / "config.json")
-        gen_cfg = _read_optional_json(path / "generation_config.json")
+        tok_cfg = _read_optional_json(path, "tokenizer_config.json")
+        cfg = _read_optional_json(path, "config.json")
+        gen_cfg = _read_optional_json(path, "generation_config.json")
 
         def token_id(name: str) -> Optional[int]:
             content = _token_content(tok_cfg.get(name))

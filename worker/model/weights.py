@@ -21,6 +21,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .config import ConfigError, ModelConfig, RopeScaling, read_json
+from .files import open_gguf, read_model_file
+from .gguf import GGUFError, is_gguf
 
 PathLike = Union[str, Path]
 
@@ -338,8 +340,11 @@ def to_hf_state_dict(checkpoint: Checkpoint) -> dict[str, torch.Tensor]:
 # --------------------------------------------------------------------------- detection
 
 def checkpoint_format(path: PathLike) -> str:
-    """'turbomq', 'hf' or 'meta', decided by which config file the directory holds."""
+    """'turbomq', 'hf' or 'meta', decided by which config file the directory holds,
+    or 'gguf' for a .gguf file."""
     root = Path(path)
+    if is_gguf(root) and root.is_file():
+        return "gguf"
     if not root.is_dir():
         raise CheckpointError(f"{root}: checkpoint directory not found")
     if (root / CONVERTED_CONFIG).is_file():
@@ -359,7 +364,8 @@ def load_checkpoint(path: PathLike, dtype: Optional[torch.dtype] = None) -> Chec
 
     dtype=None keeps the checkpoint's dtype (config torch_dtype, else as stored)."""
     root = Path(path)
-    loader = {"turbomq": _load_converted, "hf": _load_hf, "meta": _load_meta}[checkpoint_format(root)]
+    loaders = {"turbomq": _load_converted, "hf": _load_hf, "meta": _load_meta, "gguf": _load_gguf}
+    loader = loaders[checkpoint_format(root)]
     return loader(root, dtype)
 
 
@@ -388,6 +394,24 @@ def _load_hf(root: Path, dtype: Optional[torch.dtype]) -> Checkpoint:
     _check_shapes(hf, expected, locate)
     declared = raw.get("torch_dtype") or raw.get("dtype")
     target = _target_dtype(dtype, declared, hf["model.embed_tokens.weight"].dtype, missing_at)
+    return Checkpoint(_with_dtype(config, target), fuse_hf_state_dict(config, hf, target))
+
+
+# --------------------------------------------------------------------------- GGUF
+
+def _load_gguf(path: Path, dtype: Optional[torch.dtype]) -> Checkpoint:
+    """A llama.cpp GGUF file, dequantized to float32 (or `dtype`)."""
+    try:
+        gguf = open_gguf(str(path.resolve()))
+        config = _config(lambda: ModelConfig.from_hf(gguf.hf_config()), path)
+        arrays = gguf.hf_tensors()
+    except GGUFError as e:
+        raise CheckpointError(str(e)) from None
+    hf = {name: torch.from_numpy(a) for name, a in arrays.items()}
+    expected = hf_shapes(config)
+    _check_names(hf, expected, lambda name: str(path), str(path))
+    _check_shapes(hf, expected, lambda name: str(path))
+    target = dtype or torch.float32
     return Checkpoint(_with_dtype(config, target), fuse_hf_state_dict(config, hf, target))
 
 
@@ -690,6 +714,10 @@ def convert_checkpoint(src: PathLike, dst: PathLike, dtype: Optional[torch.dtype
     checkpoint = load_checkpoint(src, dtype)
     dst.mkdir(parents=True, exist_ok=True)
     for name in TOKENIZER_FILES:
-        if (src / name).is_file():
+        if is_gguf(src):
+            text = read_model_file(src, name)
+            if text is not None:
+                (dst / name).write_text(text, encoding="utf-8")
+        elif (src / name).is_file():
             shutil.copyfile(src / name, dst / name)
     return save_converted(checkpoint, dst, max_shard_bytes)

@@ -89,7 +89,7 @@ $(SMOLLM2): | setup
 models: $(SMOLLM2)
 
 # The whole service on this machine: a broker, a local redis-server and the
-# workers: one per GPU (bf16) on a GPU machine, else 2 on the CPU.
+# workers: one per GPU (fp16 for the GGUF model) on a GPU machine, else 2 on the CPU.
 # SERVE_ARGS=--smoke asks one chat question through the client and exits.
 serve: setup $(filter $(SMOLLM2),$(MODEL)) $(if $(filter $(DEMO_MODEL),$(MODEL)),$(DEMO_MODEL)/config.json)
 	$(VENV)/bin/turbomq up --model $(MODEL) --device $(SERVE_DEVICE) $(SERVE_ARGS)

@@ -3,7 +3,9 @@
 # run tests/gpu, then the benchmarks named in $BENCH (default: kernels engine).
 # Logs and results go to $OUT (default build/gpu-results); copy the .md/.json/.png
 # results to docs/benchmarks/. Extra engine-benchmark flags: $ENGINE_ARGS.
-# TESTS=0 skips tests/gpu. BENCH=tensor_parallel needs 2 GPUs.
+# TESTS=0 skips tests/gpu; TEST_ARGS adds pytest arguments. BENCH=tensor_parallel
+# needs 2 GPUs. TURBOMQ_BROKER=ON (with CMAKE_ARGS pointing at libzmq where it
+# is not installed) builds the broker's data plane too, for `turbomq up`.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-build/gpu-results}
@@ -17,7 +19,9 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --f
 $PY -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)' | tee -a "$OUT/env.txt"
 
 # The broker's data plane (libzmq) is not needed for GPU checks.
-cmake -S native -B "$BUILD" -G Ninja -DTURBOMQ_CUDA=ON -DTURBOMQ_BROKER=OFF -DCMAKE_BUILD_TYPE=Release \
+# shellcheck disable=SC2086
+cmake -S native -B "$BUILD" -G Ninja -DTURBOMQ_CUDA=ON -DTURBOMQ_BROKER="${TURBOMQ_BROKER:-OFF}" \
+  -DCMAKE_BUILD_TYPE=Release ${CMAKE_ARGS:-} \
   -Dpybind11_DIR="$($PY -m pybind11 --cmakedir)" -DPython_EXECUTABLE="$(command -v "$PY")" \
   > "$OUT/build.log" 2>&1 \
   && cmake --build "$BUILD" -j "$(nproc)" >> "$OUT/build.log" 2>&1
@@ -38,7 +42,8 @@ export PYTHONPATH="$PWD/$BUILD/pkg"
 
 tests=0
 if [ "${TESTS:-1}" != 0 ]; then
-  $PY -m pytest tests/gpu tests/native/test_cuda_sources.py -q -rs -p no:cacheprovider 2>&1 \
+  # shellcheck disable=SC2086
+  $PY -m pytest tests/gpu tests/native/test_cuda_sources.py -q -rs -p no:cacheprovider ${TEST_ARGS:-} 2>&1 \
     | tee "$OUT/tests.log" | tail -n 40
   tests=${PIPESTATUS[0]}
 fi

@@ -75,16 +75,17 @@ def our_logits(model, ids, chunks: list[int]):
     from turbomq.worker.model.kv_cache import PagedKVCache
     from turbomq.worker.model.ops import AttentionBatch
 
-    cfg = model.config
+    cfg, device = model.config, model.device
     block_size = 8
     num_blocks = (len(ids) + block_size - 1) // block_size + 3
-    kv = PagedKVCache(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
-                      torch.float32)
+    kv = PagedKVCache(cfg.num_layers, num_blocks, block_size, model.num_kv_heads, cfg.head_dim,
+                      model.dtype, device)
     table = np.random.default_rng(0).permutation(num_blocks)[None, :]
     out, done = [], 0
     for n in chunks:
-        batch = AttentionBatch.build([n], [done + n], table, block_size)
+        batch = AttentionBatch.build([n], [done + n], table, block_size, device)
         with torch.no_grad():
-            out.append(model.forward(ids[done:done + n], batch, kv, torch.arange(n)))
+            out.append(model.forward(ids[done:done + n].to(device), batch, kv,
+                                     torch.arange(n, device=device)))
         done += n
     return torch.cat(out)

@@ -24,7 +24,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="model directory (HF, Meta or converted) or a .gguf file")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], default=None,
-                   help="compute dtype (default: the checkpoint's)")
+                   help="compute dtype (default: the checkpoint's; a GGUF's: fp16 on cuda, "
+                        "fp32 on cpu)")
     p.add_argument("--kv-dtype", default="auto", choices=["auto", "fp32", "fp16", "bf16", "int8"])
     p.add_argument("--max-batch-size", type=int, default=8, help="slots of the persistent batch")
     p.add_argument("--block-size", type=int, default=64, help="tokens per KV block")
@@ -82,8 +83,6 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     front = args.front or ("tcp://127.0.0.1:*" if args.smoke else "tcp://127.0.0.1:5555")
     device, workers = resolve_device(args.device, args.workers)
-    if device.startswith("cuda") and args.dtype is None:
-        args.dtype = "bf16"  # GPU kernels run in half precision; GGUF weights come as fp32
     worker_args = []
     for flag in ("dtype", "kv_dtype", "max_batch_size", "block_size", "num_kv_blocks"):
         value = getattr(args, flag)
@@ -284,7 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto (cuda where there is a GPU, else cpu), cpu, cuda (worker i on "
                         "cuda:i) or cuda:N")
     p.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], default=None,
-                   help="default: bf16 on cuda, the checkpoint's on cpu")
+                   help="default: the checkpoint's (a GGUF's: fp16 on cuda, fp32 on cpu)")
     p.add_argument("--kv-dtype", default=None, choices=["auto", "fp32", "fp16", "bf16", "int8"])
     p.add_argument("--max-batch-size", type=int, default=None)
     p.add_argument("--block-size", type=int, default=None)

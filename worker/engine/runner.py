@@ -65,7 +65,8 @@ class ModelRunner:
         self.device = device_for(config.device, tp.rank if tp is not None else 0)
         if model is None:
             checkpoint = checkpoint or load_checkpoint(config.model)
-            dtype = parse_dtype(config.dtype) if config.dtype else None
+            dtype = (parse_dtype(config.dtype) if config.dtype
+                     else checkpoint.gpu_dtype if self.device.type == "cuda" else None)
             model = LlamaModel(checkpoint.config, checkpoint.tensors, self.device, dtype, tp=tp)
             del checkpoint
         self.model = model

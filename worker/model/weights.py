@@ -55,6 +55,11 @@ class CheckpointError(ValueError):
 class Checkpoint:
     config: ModelConfig
     tensors: dict[str, torch.Tensor]
+    # What to compute in on a GPU when no dtype is asked for, where the stored
+    # float32 is only the result of dequantizing (GGUF): fp16, llama.cpp's own
+    # float type (bf16's 8-bit mantissa flips near-tied greedy picks of small
+    # models). None: the stored dtype.
+    gpu_dtype: Optional[torch.dtype] = None
 
 
 # --------------------------------------------------------------------------- names and shapes
@@ -412,7 +417,8 @@ def _load_gguf(path: Path, dtype: Optional[torch.dtype]) -> Checkpoint:
     _check_names(hf, expected, lambda name: str(path), str(path))
     _check_shapes(hf, expected, lambda name: str(path))
     target = dtype or torch.float32
-    return Checkpoint(_with_dtype(config, target), fuse_hf_state_dict(config, hf, target))
+    return Checkpoint(_with_dtype(config, target), fuse_hf_state_dict(config, hf, target),
+                      gpu_dtype=None if dtype else torch.float16)
 
 
 def _plan_shards(tensors: dict[str, torch.Tensor], max_bytes: Optional[int]) -> list[list[str]]:

@@ -41,15 +41,18 @@ sysdeps:
 
 # torch goes in first, so the worker extra finds it satisfied: on the CPU the
 # pinned CPU build (pip would otherwise pull a multi-GB CUDA build); on a GPU
-# the machine's own CUDA build of torch where it has one (the venv then sees
-# the system site-packages), else the CUDA build from PyTorch's index.
+# the machine's own CUDA build of torch where its python has one (a .pth file
+# puts that site-packages on the venv's path, behind the venv's own), else the
+# CUDA build from PyTorch's index.
 # The native build needs libzmq, hence sysdeps first.
 $(STAMP): pyproject.toml native/CMakeLists.txt | sysdeps
 ifeq ($(GPU),1)
-	@if $(PYTHON) -c 'import sys, torch; sys.exit(not torch.cuda.is_available())' 2>/dev/null; then \
-	  test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV); \
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@site=$$($(PYTHON) -c 'import os, torch; torch.cuda.is_available() and print(os.path.dirname(os.path.dirname(torch.__file__)))' 2>/dev/null); \
+	if [ -n "$$site" ]; then \
+	  echo "using the CUDA build of torch in $$site"; \
+	  echo "$$site" > "$$($(PY) -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/machine-torch.pth"; \
 	else \
-	  test -x $(PY) || $(PYTHON) -m venv $(VENV); \
 	  $(PIP) install -q torch --index-url $(TORCH_CUDA_INDEX); \
 	fi
 else

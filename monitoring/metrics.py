@@ -69,12 +69,17 @@ class WorkerMetrics:
     # engine.stats() key -> (attribute, kind); counters there are cumulative.
     _STATS_GAUGES = {"slots_total": "slots_total", "slots_active": "slots_active",
                      "kv_blocks_total": "kv_blocks_total", "kv_blocks_used": "kv_blocks_used",
-                     "waiting": "requests_waiting"}
+                     "waiting": "requests_waiting",
+                     "prefix_cache_blocks": "prefix_cache_blocks",
+                     "prefix_cache_free_blocks": "prefix_cache_free_blocks"}
     _STATS_COUNTERS = {"evictions": "evictions", "evicted_tokens": "evicted_tokens",
                        "preemptions": "preemptions", "cache_hits": "cache_hits",
                        "cache_misses": "cache_misses", "prompt_tokens": "prompt_tokens",
                        "generated_tokens": "generated_tokens", "reused_tokens": "reused_tokens",
-                       "reprefilled_tokens": "reprefilled_tokens"}
+                       "reprefilled_tokens": "reprefilled_tokens",
+                       "prefix_cache_queries": "prefix_cache_queries",
+                       "prefix_cache_hit_blocks": "prefix_cache_hit_blocks",
+                       "prefix_cache_evictions": "prefix_cache_evictions"}
 
     def __init__(self, registry: CollectorRegistry, worker_id: str) -> None:
         if not worker_id:

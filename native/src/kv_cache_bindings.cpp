@@ -35,6 +35,15 @@ void bind_kv_cache(py::module_& m) {
       .def("num_tokens", &KVCacheManager::num_tokens, py::arg("seq_id"))
       .def("fork", &KVCacheManager::fork, py::arg("src_id"), py::arg("dst_id"),
            py::arg("num_tokens"))
+      .def("attach_prefix", &KVCacheManager::attach_prefix, py::arg("seq_id"),
+           py::arg("hashes"),
+           "an ACTIVE sequence with an empty table takes the blocks named by the "
+           "leading hashes; returns how many")
+      .def("match_prefix", &KVCacheManager::match_prefix, py::arg("hashes"),
+           "how many leading hashes name blocks in the pool")
+      .def("commit_block_hashes", &KVCacheManager::commit_block_hashes,
+           py::arg("seq_id"), py::arg("first_block"), py::arg("hashes"),
+           "names the sequence's full blocks first_block, first_block + 1, ...")
       .def("evict", &KVCacheManager::evict, py::arg("seq_id"))
       .def("erase", &KVCacheManager::erase, py::arg("seq_id"))
       .def("state", &KVCacheManager::state, py::arg("seq_id"))
@@ -80,6 +89,11 @@ void bind_kv_cache(py::module_& m) {
              d["active_sequences"] = s.active_sequences;
              d["cached_sequences"] = s.cached_sequences;
              d["evicted_sequences"] = s.evicted_sequences;
+             d["prefix_queries"] = s.prefix_queries;
+             d["prefix_hit_blocks"] = s.prefix_hit_blocks;
+             d["cached_blocks"] = s.cached_blocks;
+             d["cached_free_blocks"] = s.cached_free_blocks;
+             d["cached_block_evictions"] = s.cached_block_evictions;
              return d;
            })
       .def("check", &KVCacheManager::check,

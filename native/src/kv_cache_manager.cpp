@@ -27,25 +27,62 @@ const char* to_string(SeqState state) {
 
 // ---------------------------------------------------------------- BlockPool
 
-BlockPool::BlockPool(int32_t num_blocks) : refcounts_(num_blocks, 0) {
+BlockPool::BlockPool(int32_t num_blocks)
+    : refcounts_(num_blocks, 0),
+      has_hash_(num_blocks, 0),
+      hashes_(num_blocks, 0),
+      cached_pos_(num_blocks) {
   free_stack_.reserve(num_blocks);
   // Pushed in reverse so that a fresh pool hands out 0, 1, 2, ...
   for (int32_t b = num_blocks - 1; b >= 0; --b) free_stack_.push_back(b);
 }
 
+void BlockPool::forget_hash(BlockId block) {
+  by_hash_.erase(hashes_[block]);
+  has_hash_[block] = 0;
+  hashes_[block] = 0;
+}
+
 BlockId BlockPool::allocate() {
-  BlockId block = free_stack_.back();
-  free_stack_.pop_back();
+  BlockId block;
+  if (!free_stack_.empty()) {
+    block = free_stack_.back();
+    free_stack_.pop_back();
+  } else {  // the least recently freed cached block gets new content
+    block = cached_free_.front();
+    cached_free_.pop_front();
+    forget_hash(block);
+    ++cached_evictions_;
+  }
   refcounts_[block] = 1;
   return block;
 }
 
-void BlockPool::retain(BlockId block) { ++refcounts_[block]; }
+void BlockPool::retain(BlockId block) {
+  if (refcounts_[block] == 0) cached_free_.erase(cached_pos_[block]);
+  ++refcounts_[block];
+}
 
 bool BlockPool::release(BlockId block) {
   if (--refcounts_[block] > 0) return false;
-  free_stack_.push_back(block);
+  if (has_hash_[block]) {
+    cached_pos_[block] = cached_free_.insert(cached_free_.end(), block);
+  } else {
+    free_stack_.push_back(block);
+  }
   return true;
+}
+
+void BlockPool::set_hash(BlockId block, BlockHash hash) {
+  if (has_hash_[block] || by_hash_.count(hash) != 0) return;
+  has_hash_[block] = 1;
+  hashes_[block] = hash;
+  by_hash_.emplace(hash, block);
+}
+
+BlockId BlockPool::lookup(BlockHash hash) const {
+  auto it = by_hash_.find(hash);
+  return it == by_hash_.end() ? -1 : it->second;
 }
 
 // ----------------------------------------------------------- KVCacheManager
@@ -251,6 +288,51 @@ void KVCacheManager::fork(SeqId src_id, SeqId dst_id, int64_t num_tokens) {
   }
 }
 
+int64_t KVCacheManager::attach_prefix(SeqId seq_id,
+                                      const std::vector<BlockHash>& hashes) {
+  Sequence& seq = get(seq_id, "attach_prefix");
+  require_state(seq_id, seq, SeqState::kActive, "attach_prefix");
+  if (!seq.blocks.empty()) {
+    throw SequenceStateError("attach_prefix: " + seq_name(seq_id) + " already holds " +
+                             std::to_string(seq.blocks.size()) + " blocks");
+  }
+  ++prefix_queries_;
+  for (BlockHash hash : hashes) {
+    const BlockId block = pool_.lookup(hash);
+    if (block < 0) break;
+    pool_.retain(block);
+    seq.blocks.push_back(block);
+  }
+  prefix_hit_blocks_ += static_cast<int64_t>(seq.blocks.size());
+  seq.num_tokens = capacity_tokens(seq);
+  return static_cast<int64_t>(seq.blocks.size());
+}
+
+int64_t KVCacheManager::match_prefix(const std::vector<BlockHash>& hashes) const {
+  int64_t matched = 0;
+  for (BlockHash hash : hashes) {
+    if (pool_.lookup(hash) < 0) break;
+    ++matched;
+  }
+  return matched;
+}
+
+void KVCacheManager::commit_block_hashes(SeqId seq_id, int64_t first_block,
+                                         const std::vector<BlockHash>& hashes) {
+  Sequence& seq = get(seq_id, "commit_block_hashes");
+  const int64_t full_blocks = seq.num_tokens / block_size_;
+  const int64_t end = first_block + static_cast<int64_t>(hashes.size());
+  if (first_block < 0 || end > full_blocks) {
+    throw std::invalid_argument(
+        "commit_block_hashes: blocks [" + std::to_string(first_block) + ", " +
+        std::to_string(end) + ") of " + seq_name(seq_id) + " are not all full (" +
+        std::to_string(full_blocks) + " full blocks written)");
+  }
+  for (int64_t i = first_block; i < end; ++i) {
+    pool_.set_hash(seq.blocks[i], hashes[i - first_block]);
+  }
+}
+
 void KVCacheManager::evict(SeqId seq_id) {
   Sequence& seq = get(seq_id, "evict");
   require_state(seq_id, seq, SeqState::kCached, "evict");
@@ -307,6 +389,11 @@ KVCacheStats KVCacheManager::stats() const {
   s.active_sequences = state_counts_[static_cast<int>(SeqState::kActive)];
   s.cached_sequences = state_counts_[static_cast<int>(SeqState::kCached)];
   s.evicted_sequences = state_counts_[static_cast<int>(SeqState::kEvicted)];
+  s.prefix_queries = prefix_queries_;
+  s.prefix_hit_blocks = prefix_hit_blocks_;
+  s.cached_blocks = pool_.num_hashed();
+  s.cached_free_blocks = pool_.num_cached_free();
+  s.cached_block_evictions = pool_.cached_evictions();
   return s;
 }
 
@@ -372,25 +459,57 @@ void KVCacheManager::check() const {
     if (references[block] > 0) ++used;
   }
 
-  std::vector<bool> on_free_stack(num_blocks, false);
+  std::vector<bool> on_free_list(num_blocks, false);
   for (BlockId block : pool_.free_stack()) {
     if (block < 0 || block >= num_blocks) {
       fail("free list holds out-of-range block " + std::to_string(block));
     }
-    if (on_free_stack[block]) {
+    if (on_free_list[block]) {
       fail("free list holds block " + std::to_string(block) + " twice");
     }
-    on_free_stack[block] = true;
+    on_free_list[block] = true;
     if (pool_.refcount(block) != 0) {
       fail("free list holds block " + std::to_string(block) +
            " whose refcount is " + std::to_string(pool_.refcount(block)));
     }
+    if (pool_.has_hash(block)) {
+      fail("free stack holds named block " + std::to_string(block));
+    }
+  }
+  const auto& cached_free = pool_.cached_free();
+  for (auto it = cached_free.begin(); it != cached_free.end(); ++it) {
+    const BlockId block = *it;
+    if (block < 0 || block >= num_blocks || on_free_list[block]) {
+      fail("cached free list holds block " + std::to_string(block) +
+           " out of range or twice");
+    }
+    on_free_list[block] = true;
+    if (pool_.refcount(block) != 0 || !pool_.has_hash(block)) {
+      fail("cached free list holds block " + std::to_string(block) +
+           " with refcount " + std::to_string(pool_.refcount(block)) +
+           (pool_.has_hash(block) ? "" : " and no name"));
+    }
+    if (!pool_.cached_position_ok(block, it)) {
+      fail("block " + std::to_string(block) + " has a stale cached-list position");
+    }
   }
   for (BlockId block = 0; block < num_blocks; ++block) {
-    if (pool_.refcount(block) == 0 && !on_free_stack[block]) {
+    if (pool_.refcount(block) == 0 && !on_free_list[block]) {
       fail("block " + std::to_string(block) +
-           " has refcount 0 but is not on the free list (leaked)");
+           " has refcount 0 but is not on a free list (leaked)");
     }
+  }
+  int64_t named = 0;
+  for (BlockId block = 0; block < num_blocks; ++block) {
+    if (!pool_.has_hash(block)) continue;
+    ++named;
+    if (pool_.lookup(pool_.hash(block)) != block) {
+      fail("block " + std::to_string(block) + " is named but its hash maps elsewhere");
+    }
+  }
+  if (named != pool_.num_hashed()) {
+    fail("hash map holds " + std::to_string(pool_.num_hashed()) + " names but " +
+         std::to_string(named) + " blocks are named");
   }
   if (num_free_blocks() + used != num_blocks) {
     fail("num_free " + std::to_string(num_free_blocks()) + " + used " +

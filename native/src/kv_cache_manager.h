@@ -15,6 +15,9 @@ namespace turbomq {
 
 using SeqId = int64_t;
 using BlockId = int32_t;
+// Names a full block by its content: a hash chained over the token ids of
+// every block up to and including it (computed by the engine).
+using BlockHash = uint64_t;
 
 // ACTIVE: in a batch slot. CACHED: KV resident, no slot, in the LRU.
 // EVICTED: KV dropped; the caller still holds the token ids elsewhere.
@@ -35,27 +38,55 @@ class SequenceStateError : public std::invalid_argument {
   using std::invalid_argument::invalid_argument;
 };
 
-// Fixed pool of block ids with refcounts; free blocks sit on a LIFO stack so
-// allocation and release are O(1).
+// Fixed pool of block ids with refcounts. A free block either sits on a LIFO
+// stack (no content worth keeping) or, when it holds a full block named by a
+// hash, in an LRU of cached blocks that a later prompt with the same prefix
+// takes back. Allocation takes the stack first, then the least recently
+// freed cached block (forgetting its hash). All operations are O(1).
 class BlockPool {
  public:
   explicit BlockPool(int32_t num_blocks);
 
   // Precondition: num_free() > 0. The block comes back with refcount 1.
   BlockId allocate();
-  // Adds an owner to a block that is already in use.
+  // Adds an owner to a block in use, or revives a cached free block.
   void retain(BlockId block);
-  // Drops an owner; returns true when the block went back to the free stack.
+  // Drops an owner; returns true when the block became free.
   bool release(BlockId block);
+  // Names a block (no-op if it has a name, or another block has this one).
+  void set_hash(BlockId block, BlockHash hash);
+  // The block named `hash`, or -1.
+  BlockId lookup(BlockHash hash) const;
 
   int32_t refcount(BlockId block) const { return refcounts_[block]; }
+  bool has_hash(BlockId block) const { return has_hash_[block] != 0; }
+  BlockHash hash(BlockId block) const { return hashes_[block]; }
   int32_t num_blocks() const { return static_cast<int32_t>(refcounts_.size()); }
-  int32_t num_free() const { return static_cast<int32_t>(free_stack_.size()); }
+  // Blocks allocate() can hand out: the stack plus the cached free blocks.
+  int32_t num_free() const {
+    return static_cast<int32_t>(free_stack_.size() + cached_free_.size());
+  }
+  int32_t num_cached_free() const { return static_cast<int32_t>(cached_free_.size()); }
+  int64_t num_hashed() const { return static_cast<int64_t>(by_hash_.size()); }
+  int64_t cached_evictions() const { return cached_evictions_; }
   const std::vector<BlockId>& free_stack() const { return free_stack_; }
+  const std::list<BlockId>& cached_free() const { return cached_free_; }
+  bool cached_position_ok(BlockId block, std::list<BlockId>::const_iterator it) const {
+    return cached_pos_[block] == it;
+  }
+  const std::unordered_map<BlockHash, BlockId>& by_hash() const { return by_hash_; }
 
  private:
+  void forget_hash(BlockId block);
+
   std::vector<int32_t> refcounts_;
   std::vector<BlockId> free_stack_;
+  std::vector<uint8_t> has_hash_;
+  std::vector<BlockHash> hashes_;
+  std::list<BlockId> cached_free_;  // refcount 0 and named, oldest first
+  std::vector<std::list<BlockId>::iterator> cached_pos_;
+  std::unordered_map<BlockHash, BlockId> by_hash_;
+  int64_t cached_evictions_ = 0;  // named free blocks reused for new content
 };
 
 struct KVCacheStats {
@@ -66,6 +97,11 @@ struct KVCacheStats {
   int64_t active_sequences = 0;
   int64_t cached_sequences = 0;
   int64_t evicted_sequences = 0;
+  int64_t prefix_queries = 0;      // attach_prefix calls
+  int64_t prefix_hit_blocks = 0;   // blocks they attached
+  int64_t cached_blocks = 0;       // named blocks (in use or free)
+  int64_t cached_free_blocks = 0;  // named blocks no table holds
+  int64_t cached_block_evictions = 0;
 };
 
 class KVCacheManager {
@@ -84,6 +120,17 @@ class KVCacheManager {
   int64_t num_tokens(SeqId seq_id) const;
   // New ACTIVE dst sharing src's first floor(num_tokens / block_size) blocks.
   void fork(SeqId src_id, SeqId dst_id, int64_t num_tokens);
+  // Prefix caching. An ACTIVE sequence with an empty table takes the pool's
+  // blocks named by the leading `hashes` (refcount + 1 each; cached free
+  // blocks are revived) and its resident tokens become their count times
+  // block_size. Returns the number of blocks attached.
+  int64_t attach_prefix(SeqId seq_id, const std::vector<BlockHash>& hashes);
+  // How many leading `hashes` name blocks in the pool (changes nothing).
+  int64_t match_prefix(const std::vector<BlockHash>& hashes) const;
+  // Names the sequence's full, written blocks first_block, first_block+1, ...
+  // so later prompts with the same prefix reuse them.
+  void commit_block_hashes(SeqId seq_id, int64_t first_block,
+                           const std::vector<BlockHash>& hashes);
   // Forces a CACHED sequence to EVICTED.
   void evict(SeqId seq_id);
   // Forgets the sequence in any state, dropping its blocks.
@@ -143,6 +190,8 @@ class KVCacheManager {
   int64_t cache_hits_ = 0;
   int64_t cache_misses_ = 0;
   int64_t evicted_tokens_ = 0;
+  int64_t prefix_queries_ = 0;
+  int64_t prefix_hit_blocks_ = 0;
   // Per-block counter for the eviction precheck; kept all-zero between calls
   // so the precheck allocates nothing.
   mutable std::vector<int32_t> cached_refs_scratch_;

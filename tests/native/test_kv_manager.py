@@ -17,6 +17,8 @@ from turbomq._native import (
 )
 
 ACTIVE, CACHED, EVICTED = SeqState.ACTIVE, SeqState.CACHED, SeqState.EVICTED
+NO_PREFIX_STATS = dict(prefix_queries=0, prefix_hit_blocks=0, cached_blocks=0,
+                       cached_free_blocks=0, cached_block_evictions=0)
 
 
 def filled(mgr, seq_id, num_tokens):
@@ -48,7 +50,7 @@ def test_constructor_and_properties():
     assert mgr.last_evicted() == []
     assert mgr.stats() == dict(
         evictions=0, cache_hits=0, cache_misses=0, evicted_tokens=0,
-        active_sequences=0, cached_sequences=0, evicted_sequences=0,
+        active_sequences=0, cached_sequences=0, evicted_sequences=0, **NO_PREFIX_STATS,
     )
     mgr.check()
     KVCacheManager(0, 1).check()  # an empty pool is legal
@@ -529,6 +531,7 @@ class KVModel:
             active_sequences=states[ACTIVE],
             cached_sequences=states[CACHED],
             evicted_sequences=states[EVICTED],
+            **NO_PREFIX_STATS,  # the model runs without block names
         )
 
 

@@ -542,11 +542,13 @@ def test_chat_command_keeps_a_session(cluster, client_for, tmp_path, template):
 
 def test_counters_follow_hits_evictions_and_misses(cluster, client_for):
     """A resident session's next turn raises hits; pressure that evicts it
-    raises evictions; its next turn then raises misses (and re-prefills)."""
+    raises evictions; its next turn then raises misses (and re-prefills).
+    Without prefix caching, which would find the evicted session's blocks."""
     svc = cluster()
     client = client_for(svc.front)
     # 12 blocks of 16 tokens: about two sessions of ~80 tokens fit
-    svc.start_worker("w0", extra=("--block-size", "16", "--num-kv-blocks", "12"))
+    svc.start_worker("w0", extra=("--block-size", "16", "--num-kv-blocks", "12",
+                                  "--no-prefix-caching"))
     svc.wait_ready("w0")
     wait_until(lambda: client.health()["workers"] == 1, 30, "the worker registered")
 

@@ -33,6 +33,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="KV pool size in blocks (default: sized from memory)")
     p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                    help="split each layer over N devices: --device and the N-1 after it")
+    p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                   help="do not reuse KV blocks of earlier requests with the same prefix")
 
 
 def _engine_config(args: argparse.Namespace):
@@ -40,7 +42,7 @@ def _engine_config(args: argparse.Namespace):
     return EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
                         kv_dtype=args.kv_dtype, max_batch_size=args.max_batch_size,
                         block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
-                        tensor_parallel=args.tensor_parallel)
+                        tensor_parallel=args.tensor_parallel, prefix_caching=args.prefix_caching)
 
 
 def _setup_logging(level: str) -> None:

@@ -21,6 +21,9 @@ class EngineConfig:
     max_model_len: Optional[int] = None  # None: the model's max_position_embeddings
     alloc_policy: str = "on_demand"  # upfront | on_demand | reserved
     reserved_tokens: int = 64
+    # Reuse the leading KV blocks any earlier request wrote for the same
+    # tokens (docs/kv_cache.md, "Prefix caching").
+    prefix_caching: bool = True
     cuda_graphs: bool = True  # decode steps replay captured graphs (CUDA, fp16/bf16)
     # With graphs: launch decode step t+1 before reading step t's tokens, so
     # the host's work between steps overlaps the GPU's.

@@ -20,6 +20,7 @@ from typing import AsyncIterator, Callable, Optional, Sequence as Seq, Union
 import numpy as np
 
 from . import errors, ranks
+from .block_hash import hash_seed
 from .chat_template import ChatTemplate, ChatTemplateError
 from .config import EngineConfig
 from .output import TextStream
@@ -144,7 +145,10 @@ class Engine:
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len, block_size=config.block_size,
             alloc_policy=AllocPolicy(config.alloc_policy),
-            reserved_tokens=config.reserved_tokens), self.kv_manager)
+            reserved_tokens=config.reserved_tokens, prefix_caching=config.prefix_caching,
+            hash_seed=hash_seed(Path(config.model).name, repr(self.model_config),
+                                str(self.runner.model.dtype), str(self.runner.kv_dtype))),
+            self.kv_manager)
         self.session_store: SessionStore = session_store or InMemorySessionStore()
 
         self._inbox: "queue.SimpleQueue[tuple[str, object]]" = queue.SimpleQueue()
@@ -175,7 +179,7 @@ class Engine:
                session_id: Optional[str] = None, callback: Optional[Callback] = None,
                prompt: Optional[str] = None, request_id: Optional[str] = None,
                resume_tokens: Seq[int] = (), turn_id: Optional[str] = None,
-               messages: Optional[Seq[dict]] = None) -> str:
+               messages: Optional[Seq[dict]] = None, cache_salt: str = "") -> str:
         """Queue one request; tokens reach `callback` from the step thread.
         `resume_tokens` continues a generation that another worker started:
         those tokens count as already generated and delivered (they are not
@@ -184,6 +188,8 @@ class Engine:
         a turn the session has committed already is answered from the store.
         `messages` ([{"role", "content"}, ...]) is rendered with the model's
         chat template; in a session with history, only these new messages.
+        `cache_salt` (the tenant) keeps cached prefix blocks apart: requests
+        reuse only blocks written under the same salt.
         Raises a typed EngineError for bad input; nothing is queued then."""
         params = params or SamplingParams()
         params.validate(self.model_config.vocab_size)
@@ -214,7 +220,7 @@ class Engine:
                 self._busy_sessions.add(session_id)
         try:
             return self._queue(request_id, turn_id or request_id, session_id, prompt, input_ids,
-                               resume, params, callback)
+                               resume, params, callback, cache_salt)
         except BaseException:  # nothing queued: the session is free again
             if session_id is not None:
                 self._release_session(session_id)
@@ -226,7 +232,7 @@ class Engine:
 
     def _queue(self, request_id: str, turn_id: str, session_id: Optional[str], prompt,
                input_ids, resume: list[int], params: SamplingParams,
-               callback: Optional[Callback]) -> str:
+               callback: Optional[Callback], cache_salt: str = "") -> str:
         """The rest of submit, with the session (if any) claimed."""
         history: list[int] = []
         if session_id is not None:
@@ -245,7 +251,8 @@ class Engine:
                 f"room to generate within the context limit of {limit} tokens")
         prompt_len = len(history) + len(new_prompt)
         seq = Sequence(request_id=request_id, kv_key=0, session_id=session_id, tokens=tokens,
-                       prompt_len=prompt_len, params=params, history_len=len(history))
+                       prompt_len=prompt_len, params=params, history_len=len(history),
+                       cache_salt=cache_salt)
         text = TextStream(self.tokenizer, tokens[max(prompt_len - 8, 0):prompt_len], params.stop)
         for token in resume:  # already delivered: only advance the detokenizer
             text.push(token)
@@ -382,6 +389,11 @@ class Engine:
             "kv_blocks_used": self.kv_manager.num_used_blocks,
             "sessions_active": kv["active_sequences"], "sessions_cached": kv["cached_sequences"],
             "sessions_evicted": kv["evicted_sequences"],
+            "prefix_cache_queries": kv["prefix_queries"],
+            "prefix_cache_hit_blocks": kv["prefix_hit_blocks"],
+            "prefix_cache_blocks": kv["cached_blocks"],
+            "prefix_cache_free_blocks": kv["cached_free_blocks"],
+            "prefix_cache_evictions": kv["cached_block_evictions"],
             **self.counters,
         }
 

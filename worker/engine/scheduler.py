@@ -21,6 +21,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional
 
+from .block_hash import extend_block_hashes, salted
 from .sampling_params import SamplingParams
 
 
@@ -44,6 +45,10 @@ class SchedulerConfig:
     block_size: int = 64
     alloc_policy: AllocPolicy = AllocPolicy.ON_DEMAND
     reserved_tokens: int = 64
+    # Full blocks are named by their content, and a sequence that starts
+    # without resident KV takes the leading blocks the pool already holds.
+    prefix_caching: bool = True
+    hash_seed: int = 0  # names depend on the model and KV dtype (block_hash.py)
 
 
 @dataclass(eq=False)
@@ -62,8 +67,11 @@ class Sequence:
     # Tokens sampled on the GPU whose values the host has not read yet (0 or
     # 1): they follow `tokens` and are appended when delivered.
     inflight: int = 0
-    cached_tokens: int = 0  # tokens reused from a resident session at admission
+    cached_tokens: int = 0  # tokens reused at admission (resident session or prefix cache)
     reprefilled_tokens: int = 0  # history recomputed after an eviction
+    cache_salt: str = ""  # keeps one tenant's cached blocks from another's
+    block_hashes: list[int] = field(default_factory=list)  # names of full blocks of tokens
+    named_blocks: int = 0  # leading blocks the KV manager knows by name
     finish_reason: Optional[str] = None
     first_admitted: Optional[float] = None
     admit_order: int = -1  # position in the running order, set on admission
@@ -209,6 +217,7 @@ class Scheduler:
             set_num_tokens(seq.kv_key, seq.num_computed)
             if samples:
                 seq.inflight += 1
+            self._name_blocks(seq)
 
     def deliver(self, seq: Sequence, token: int) -> None:
         """The sampled token of `seq`'s step in flight."""
@@ -225,6 +234,7 @@ class Scheduler:
                 self.kv.erase(seq.kv_key)
         elif seq.status is SeqStatus.RUNNING:
             self._leave_slot(seq)
+            self._name_blocks(seq)
             if keep_kv:
                 self.kv.release(seq.kv_key)
             else:
@@ -268,6 +278,14 @@ class Scheduler:
         kv = self.kv
         existed = kv.contains(seq.kv_key)
         resident = kv.acquire(seq.kv_key)
+        missed = resident == 0  # a session turn whose KV was not resident here
+        if resident == 0 and self.config.prefix_caching:
+            # Leading blocks the pool holds by name: from this session before
+            # it was evicted, or from any request that began the same way.
+            # The last token is always computed, for its logits.
+            usable = (len(seq.tokens) - 1) // self.config.block_size
+            resident = kv.attach_prefix(seq.kv_key, self._hashes(seq, usable))
+            resident *= self.config.block_size
         # Never trust more resident KV than this turn's tokens explain, and keep
         # at least one token to compute so there are logits to sample from.
         resident = min(resident, len(seq.tokens) - 1)
@@ -280,14 +298,35 @@ class Scheduler:
                     self.cache_hits += 1
                 else:
                     self.cache_misses += 1
-                    seq.reprefilled_tokens = seq.history_len
+                if missed:  # history the prefix cache did not hold is recomputed
+                    seq.reprefilled_tokens = max(seq.history_len - resident, 0)
         if seq.first_admitted is None:
             seq.first_admitted = time.monotonic()
             seq.cached_tokens = resident
         seq.num_computed = resident
+        # A resident session's full blocks were named when they were written.
+        seq.named_blocks = resident // self.config.block_size
         kv.set_num_tokens(seq.kv_key, resident)
         self._take_slot(seq)
         return True
+
+    def _hashes(self, seq: Sequence, num_blocks: int) -> list[int]:
+        """Names of `seq`'s first `num_blocks` full blocks (cached on seq)."""
+        if len(seq.block_hashes) < num_blocks:
+            extend_block_hashes(seq.block_hashes, seq.tokens, self.config.block_size,
+                                num_blocks, salted(self.config.hash_seed, seq.cache_salt))
+        return seq.block_hashes[:num_blocks]
+
+    def _name_blocks(self, seq: Sequence) -> None:
+        """Name the blocks that are full, written and of known tokens (a
+        sampled token in flight is known only once delivered)."""
+        if not self.config.prefix_caching:
+            return
+        full = min(seq.num_computed, len(seq.tokens)) // self.config.block_size
+        if full > seq.named_blocks:
+            hashes = self._hashes(seq, full)
+            self.kv.commit_block_hashes(seq.kv_key, seq.named_blocks, hashes[seq.named_blocks:])
+            seq.named_blocks = full
 
     def _unadmit_kv(self, seq: Sequence, existed: bool) -> None:
         if existed and seq.session_id is not None:
@@ -313,8 +352,10 @@ class Scheduler:
         plan.scheduled = [item for item in plan.scheduled if item.seq is not seq]
         plan.preempted.append(seq)
         self._leave_slot(seq)
+        self._name_blocks(seq)
         self.kv.release(seq.kv_key)
         self.kv.evict(seq.kv_key)
         seq.num_computed = 0
+        seq.named_blocks = 0
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)

@@ -369,7 +369,8 @@ class WorkerService:
                                messages=msg.get("messages"),
                                params=params, session_id=sid, request_id=engine_id,
                                callback=partial(self._on_engine_event, engine_id),
-                               resume_tokens=resume, turn_id=msg.get("turn_id"))
+                               resume_tokens=resume, turn_id=msg.get("turn_id"),
+                               cache_salt=msg.get("tenant", ""))
         except (InvalidParams, errors.EngineError) as e:
             self._reject(engine_id, req, e)
         except Exception as e:

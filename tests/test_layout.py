@@ -128,9 +128,13 @@ def test_the_graph_sees_function_level_imports():
     ("turbomq.clients", "matplotlib"),
     ("turbomq.clients", "prometheus_client"),
     ("turbomq.clients", "turbomq.clients.gateway"),
+    ("turbomq.clients", "turbomq.clients.bench"),
     ("turbomq.clients.gateway", "torch"),
     ("turbomq.clients.gateway", "turbomq.worker"),
     ("turbomq.clients.gateway", "turbomq.broker"),
+    ("turbomq.clients.bench", "torch"),
+    ("turbomq.clients.bench", "turbomq.worker"),
+    ("turbomq.clients.bench", "matplotlib"),
     ("turbomq.worker.cli", "starlette"),
 ])
 def test_light_modules_stay_light(module, heavy):
@@ -142,7 +146,7 @@ def test_light_modules_stay_light(module, heavy):
 
 
 CLIENTS = ROOT / "clients"
-EXTRA_PACKAGES = ("gateway",)  # optional extras beside the client library
+EXTRA_PACKAGES = ("gateway", "bench")  # optional extras beside the client library
 
 
 def test_the_client_library_never_imports_its_extras():
@@ -179,6 +183,6 @@ def test_the_client_library_never_imports_its_extras():
 def test_every_package_says_what_it_owns():
     for init in sorted(WORKER.rglob("__init__.py")) + [ROOT / d / "__init__.py" for d in
                                                        ("broker", "clients", "monitoring",
-                                                        "clients/gateway")]:
+                                                        "clients/gateway", "clients/bench")]:
         doc = ast.get_docstring(ast.parse(init.read_text()))
         assert doc and len(doc) > 40, f"{init.relative_to(ROOT)} has no docstring"

@@ -38,4 +38,9 @@ async def serve(config: GatewayConfig) -> None:
 
 
 def run_gateway(config: GatewayConfig) -> None:
-    asyncio.run(serve(config))
+    try:  # uvloop where installed (the [gateway] extra brings it): a faster event loop
+        import uvloop
+    except ImportError:
+        asyncio.run(serve(config))
+        return
+    uvloop.run(serve(config))

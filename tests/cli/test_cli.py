@@ -23,7 +23,7 @@ def test_help_lists_commands():
     out = run(TURBOMQ + ["--help"])
     assert out.returncode == 0
     for command in ("generate", "demo-model", "convert", "broker", "worker", "up", "chat",
-                    "gateway"):
+                    "gateway", "bench"):
         assert command in out.stdout
 
 
@@ -110,3 +110,13 @@ def test_the_gateway_without_its_extra_is_named_in_one_line():
         assert out.returncode == 2
         lines = out.stderr.strip().splitlines()
         assert len(lines) == 1 and "pip install 'turbomq[gateway]'" in lines[0], out.stderr
+
+
+def test_the_bench_without_its_extra_is_named_in_one_line():
+    code = ("import sys; sys.modules['httpx'] = None\n"
+            "from turbomq.worker.cli.main import main\n"
+            "sys.exit(main(['bench', '--base-url', 'http://127.0.0.1:1/v1', '--no-progress']))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "pip install 'turbomq[bench]'" in lines[0], out.stderr

@@ -146,6 +146,11 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from turbomq.clients.bench.cli import main as bench_main
+    return bench_main(args)
+
+
 def _add_curve_args(p: argparse.ArgumentParser, who: str) -> None:
     p.add_argument("--curve-secret", default=None, metavar="FILE",
                    help=f"this {who}'s NAME.key_secret (CurveZMQ; with --broker-key)")
@@ -349,6 +354,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="each request's deadline in seconds (a body's `timeout` may lower it)")
     p.add_argument("--log-level", default="INFO")
     p.set_defaults(func=cmd_gateway)
+
+    p = sub.add_parser("bench", help="serving benchmark against a broker or any "
+                                     "OpenAI-compatible server (docs/bench.md)")
+    from turbomq.clients.bench.cli import add_arguments as add_bench_arguments
+    add_bench_arguments(p)
+    p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("demo-model", help="write the built-in demo model (HF format)")
     p.add_argument("out_dir")

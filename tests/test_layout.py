@@ -136,6 +136,10 @@ def test_the_graph_sees_function_level_imports():
     ("turbomq.clients.bench", "turbomq.worker"),
     ("turbomq.clients.bench", "matplotlib"),
     ("turbomq.worker.cli", "starlette"),
+    # the `turbomq` parser takes the bench's flags from bench/cli.py: stdlib only
+    ("turbomq.worker.cli.main", "httpx"),
+    ("turbomq.worker.cli.main", "matplotlib"),
+    ("turbomq.clients.bench.cli", "numpy"),
 ])
 def test_light_modules_stay_light(module, heavy):
     code = (f"import sys, {module}\n"

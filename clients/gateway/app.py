@@ -96,7 +96,12 @@ class Tenants:
 class EventStream(StreamingResponse):
     """Server-sent events that end as soon as the HTTP client goes away,
     whatever ASGI version the server speaks: the body is streamed beside a
-    watch on `receive`, and closed (its `finally` runs) either way."""
+    watch on `receive`, then closed and `on_close` called, however it ended
+    (even before the body started)."""
+
+    def __init__(self, content, on_close: Callable[[], None], **kw):
+        super().__init__(content, **kw)
+        self.on_close = on_close
 
     async def __call__(self, scope, receive, send) -> None:
         try:
@@ -112,6 +117,7 @@ class EventStream(StreamingResponse):
         finally:
             with anyio.CancelScope(shield=True):
                 await self.body_iterator.aclose()
+            self.on_close()
 
 
 def _sse(obj: Any) -> str:
@@ -240,7 +246,12 @@ class Gateway:
                                f"{', '.join(self.config.served_model_names)}",
                                "invalid_request_error", "model_not_found", "model")
             self._check_capacity()
-            client = self.tenants.client(tenant)
+            try:
+                client = self.tenants.client(tenant)
+            except ConfigError as e:  # e.g. a tenant's key file gone since it was checked
+                log.error("no broker connection for tenant %r: %s", tenant, e)
+                raise ApiError(500, "the gateway cannot reach the broker as this tenant",
+                               "server_error", "internal") from None
         except ApiError as e:
             count.labels(endpoint=endpoint, status=str(e.status)).inc()
             return JSONResponse(e.body(), e.status)
@@ -311,27 +322,30 @@ class Gateway:
     async def _stream(self, request: Request, client: AsyncClient, call: Call, kwargs: dict,
                       endpoint: str, start: float) -> Response:
         events = client.generate(stream=True, **kwargs)
-        count = self.metrics.requests
+        end = _StreamEnd(self, client, call.request_id, events, endpoint, start)
         try:
             # The first event decides the status: an error before any output
             # is an HTTP error, not a stream.
             first = await self._until_disconnect(request, client, call.request_id,
                                                  events.__anext__())
-        except (ClientGone, TurbomqError) as e:
-            self.metrics.requests_in_flight.dec()
-            self.metrics.request_duration.observe(time.monotonic() - start)
-            if isinstance(e, ClientGone):
-                count.labels(endpoint=endpoint, status="499").inc()
-                return Response(status_code=499)
+        except ClientGone:
+            end.status = "499"
+            end.close(finished=True)  # cancelled already
+            return Response(status_code=499)
+        except TurbomqError as e:
             err = from_service(e)
-            count.labels(endpoint=endpoint, status=str(err.status)).inc()
+            end.status = str(err.status)
+            end.close(finished=True)
             return JSONResponse(err.body(), err.status)
-        return EventStream(self._sse(client, call, events, first, endpoint, start),
-                                 media_type="text/event-stream", headers=_SSE_HEADERS)
+        except BaseException:
+            end.status = "500"
+            end.close(finished=False)
+            raise
+        return EventStream(self._sse(call, events, first, end), end.close,
+                           media_type="text/event-stream", headers=_SSE_HEADERS)
 
-    async def _sse(self, client: AsyncClient, call: Call, events, first, endpoint: str,
-                   start: float):
-        finished, status, first_text = False, "499", True
+    async def _sse(self, call: Call, events, first, end: "_StreamEnd"):
+        first_text = True
         event = first
         try:
             if call.chat:
@@ -340,11 +354,11 @@ class Gateway:
                 if isinstance(event, Delta):
                     if event.text:
                         if first_text:
-                            self.metrics.ttft.observe(time.monotonic() - start)
+                            self.metrics.ttft.observe(time.monotonic() - end.start)
                             first_text = False
                         yield _sse(chunk(call, text=event.text))
                 elif isinstance(event, Final):
-                    finished, status = True, "200"
+                    end.finished, end.status = True, "200"
                     self._count_tokens(event.usage)
                     yield _sse(chunk(call, reason=event.finish_reason))
                     if call.include_usage:
@@ -354,19 +368,40 @@ class Gateway:
                 try:
                     event = await events.__anext__()
                 except TurbomqError as e:  # after output began: the error ends the stream
-                    finished = True
+                    end.finished = True
                     err = from_service(e)
-                    status = str(err.status)
+                    end.status = str(err.status)
                     yield _sse(err.body())
                     yield "data: [DONE]\n\n"
                     return
         finally:
-            if not finished:  # the HTTP client went away: cancel on the worker
-                self._gone(client, call.request_id)
-                self._spawn(events.aclose())
-            self.metrics.requests_in_flight.dec()
-            self.metrics.requests.labels(endpoint=endpoint, status=status).inc()
-            self.metrics.request_duration.observe(time.monotonic() - start)
+            end.close()
+
+
+class _StreamEnd:
+    """What ending a stream takes, once, however it ends: the request
+    cancelled on the worker unless it finished, the counters."""
+
+    def __init__(self, gateway: Gateway, client: AsyncClient, request_id: str, events,
+                 endpoint: str, start: float):
+        self.gateway, self.client, self.request_id, self.events = (gateway, client, request_id,
+                                                                    events)
+        self.endpoint, self.start = endpoint, start
+        self.finished = False
+        self.status = "499"  # unless it ends otherwise: the client went away
+        self.closed = False
+
+    def close(self, finished: Optional[bool] = None) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        gw = self.gateway
+        if not (self.finished if finished is None else finished):
+            gw._gone(self.client, self.request_id)  # cancel on the worker
+            gw._spawn(self.events.aclose())
+        gw.metrics.requests_in_flight.dec()
+        gw.metrics.requests.labels(endpoint=self.endpoint, status=self.status).inc()
+        gw.metrics.request_duration.observe(time.monotonic() - self.start)
 
 
 def create_app(config: GatewayConfig, registry: Optional[CollectorRegistry] = None) -> Starlette:

@@ -282,6 +282,24 @@ def test_disconnect_cancels_on_the_worker(stack):
     assert m[("turbomq_gateway_requests_in_flight",)] == 0
 
 
+def test_disconnect_cancels_a_non_streaming_request(stack):
+    svc, gw = stack
+    before = svc.metrics("w0")[("turbomq_requests_finished_total", ("reason", "cancelled"))]
+    # The client gives up waiting (its own timeout) and closes the connection.
+    client = gw.openai(timeout=1.0)
+    with pytest.raises(openai.APITimeoutError):
+        client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=4000,
+                                  temperature=0, extra_body={"ignore_eos": True})
+
+    def freed() -> bool:
+        m = svc.metrics("w0")
+        return (m[("turbomq_batch_slots_active",)] == 0 and
+                m[("turbomq_requests_finished_total", ("reason", "cancelled"))] == before + 1)
+
+    wait_until(freed, 15, "the worker cancelled the abandoned request")
+    assert gw.metrics()[("turbomq_gateway_requests_in_flight",)] == 0
+
+
 # ---------------------------------------------------------------- tenants
 def test_api_keys_map_to_tenants_over_curve(tmp_path):
     keys = tmp_path / "keys"

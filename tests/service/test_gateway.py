@@ -239,9 +239,9 @@ def test_errors_are_openai_errors(stack):
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
 
 
-def test_no_capacity_is_503(stack, tmp_path):
-    # a second broker with no worker behind it
-    svc = Cluster(tmp_path)
+def test_no_capacity_is_503_and_overload_is_429(tmp_path):
+    # a second broker, with no queue, and no worker behind it yet
+    svc = Cluster(tmp_path, queue_bound=0)
     gw = GatewayProc(svc.front)
     try:
         wait_until(lambda: gw.get("/health")[0] == 503 and
@@ -250,6 +250,19 @@ def test_no_capacity_is_503(stack, tmp_path):
         with pytest.raises(openai.InternalServerError) as e:
             gw.openai().completions.create(model=MODEL, prompt="Hi", max_tokens=2)
         assert e.value.status_code == 503 and e.value.code == "no_capacity"
+        # one slot (a model-free echo worker), taken by a stream: the next
+        # request finds every worker full and no room to queue
+        svc._spawn([PY, "-m", "turbomq.broker.echo_worker", "--broker", svc.back,
+                    "--slots", "1", "--delay", "0.05"])
+        gw.wait_workers(1)
+        client = gw.openai()
+        stream = client.completions.create(model=MODEL, prompt="Hi", max_tokens=4000,
+                                           stream=True)
+        next(iter(stream))
+        with pytest.raises(openai.RateLimitError) as e:
+            client.completions.create(model=MODEL, prompt="Hi", max_tokens=2)
+        assert e.value.status_code == 429 and e.value.code == "overloaded"
+        stream.close()
     finally:
         gw.close()
         svc.close()

@@ -196,8 +196,7 @@ def _check_common(body: dict, allowed: set, limits: P.Limits) -> dict:
     options = body.get("stream_options")
     include_usage = False
     if options is not None:
-        if not isinstance(options, dict) or set(options) - {"include_usage",
-                                                           "continuous_usage_stats"}:
+        if not isinstance(options, dict) or set(options) - {"include_usage"}:
             raise invalid("'stream_options' may hold only 'include_usage'", "stream_options")
         if not stream:
             raise invalid("'stream_options' is only allowed with 'stream': true",

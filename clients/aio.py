@@ -169,11 +169,15 @@ class AsyncClient:
         self._inflight.pop(rid, None)
 
     async def _next(self, rid: str, q: asyncio.Queue, deadline: float) -> dict:
-        remaining = deadline - time.monotonic()
-        try:
-            msg = await asyncio.wait_for(q.get(), max(remaining, 0.0))
-        except asyncio.TimeoutError:
-            raise Timeout(P.Code.TIMEOUT, "no reply from the broker in time", True, rid) from None
+        if not q.empty():  # already here: no timer, no task (the common case under load)
+            msg = q.get_nowait()
+        else:
+            remaining = deadline - time.monotonic()
+            try:
+                msg = await asyncio.wait_for(q.get(), max(remaining, 0.0))
+            except asyncio.TimeoutError:
+                raise Timeout(P.Code.TIMEOUT, "no reply from the broker in time", True,
+                              rid) from None
         if msg is None:
             raise ServerError(P.Code.INTERNAL, f"client reader failed: {self._reader_error!r}")
         return msg

@@ -112,8 +112,8 @@ def init_deployment(directory: PathLike) -> list[Path]:
     """The keys and secrets of one deployment (compose runs this on first
     start): broker, worker and client key pairs, the allow-lists naming them
     (the client as tenant `default`), a Redis password with the redis.conf
-    that requires it (ACL user `turbomq`; the default user off) and a Grafana
-    admin password. Files already there are kept; returns those written."""
+    that requires it (ACL user `turbomq`; the default user off), a Grafana
+    admin password and an API key for the HTTP gateway (tenant `default`). Files already there are kept; returns those written."""
     import secrets
 
     directory = Path(directory)
@@ -138,6 +138,8 @@ def init_deployment(directory: PathLike) -> list[Path]:
     put("redis.conf", f"user default off\nuser turbomq on >{password} ~* &* +@all\n",
         private=False)
     put("grafana.password", secrets.token_urlsafe(18) + "\n", private=False)
+    # The HTTP gateway's API key file (docs/gateway.md): one key, tenant `default`.
+    put("api.keys", "default sk-" + secrets.token_urlsafe(32) + "\n")
     return written
 
 

@@ -183,9 +183,41 @@ BROKER_METRICS: tuple[MetricSpec, ...] = (
 )
 
 
+GATEWAY_ENDPOINTS = ("completions", "chat_completions", "models")
+# HTTP statuses the gateway answers with (docs/gateway.md); 499: the client
+# went away before the end (its request was cancelled on the worker).
+GATEWAY_STATUSES = ("200", "400", "401", "404", "409", "429", "499", "500", "503", "504")
+GATEWAY_TOKEN_KINDS = ("prompt", "cached", "completion")
+
+
+def _g(attr, name, type_, unit, help_, **kw) -> MetricSpec:
+    return MetricSpec(attr, name, type_, unit, help_, component="gateway", **kw)
+
+
+GATEWAY_METRICS: tuple[MetricSpec, ...] = (
+    _g("requests", "turbomq_gateway_requests_total", COUNTER, "requests",
+       "HTTP API requests by endpoint and status (499: the client disconnected first).",
+       labels=("endpoint", "status"),
+       label_values=(("endpoint", GATEWAY_ENDPOINTS), ("status", GATEWAY_STATUSES))),
+    _g("requests_in_flight", "turbomq_gateway_requests_in_flight", GAUGE, "requests",
+       "Generation requests the gateway is serving (streams included)."),
+    _g("ttft", "turbomq_gateway_time_to_first_token_seconds", HISTOGRAM, "seconds",
+       "From a streamed request's arrival at the gateway to its first text chunk.",
+       buckets=TTFT_BUCKETS),
+    _g("request_duration", "turbomq_gateway_request_duration_seconds", HISTOGRAM, "seconds",
+       "End to end at the gateway: request in to its last byte out.", buckets=REQUEST_BUCKETS),
+    _g("tokens", "turbomq_gateway_tokens_total", COUNTER, "tokens",
+       "Tokens of finished requests by kind: prompt, cached (of the prompt, served from "
+       "resident KV), completion.",
+       labels=("kind",), label_values=(("kind", GATEWAY_TOKEN_KINDS),)),
+    _g("disconnects", "turbomq_gateway_client_disconnects_total", COUNTER, "requests",
+       "Requests whose HTTP client went away before the end; each was cancelled on its worker."),
+)
+
+
 def catalogue() -> list[MetricSpec]:
-    """Every metric family (each has .name and .type), workers' then broker's."""
-    return list(WORKER_METRICS + BROKER_METRICS)
+    """Every metric family (each has .name and .type): workers', broker's, gateway's."""
+    return list(WORKER_METRICS + BROKER_METRICS + GATEWAY_METRICS)
 
 
 def series_names() -> set[str]:

@@ -12,8 +12,8 @@ from typing import Mapping
 from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, Info,
                                disable_created_metrics)
 
-from .catalogue import (BROKER_METRICS, COUNTER, GAUGE, HISTOGRAM, INFO, WORKER_INFO_KEYS,
-                        WORKER_METRICS, MetricSpec)
+from .catalogue import (BROKER_METRICS, COUNTER, GATEWAY_METRICS, GAUGE, HISTOGRAM, INFO,
+                        WORKER_INFO_KEYS, WORKER_METRICS, MetricSpec)
 
 
 def _make(spec: MetricSpec, registry: CollectorRegistry, **bound: str):
@@ -136,4 +136,14 @@ class BrokerMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
         for spec in BROKER_METRICS:
+            setattr(self, spec.attr, _make(spec, registry))
+
+
+class GatewayMetrics:
+    """Every gateway metric (no worker label); attribute names are the
+    catalogue's `attr` fields."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        for spec in GATEWAY_METRICS:
             setattr(self, spec.attr, _make(spec, registry))

@@ -13,6 +13,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -32,7 +33,8 @@ TURBOMQ = Path(sys.executable).with_name("turbomq")
 # Variables docker-compose.yml reads; unset for the defaults.
 COMPOSE_VARS = ("MODEL", "DEVICE", "GPU_ID", "REDIS_URL", "WORKER_ID", "MAX_BATCH_SIZE", "KV_DTYPE",
                 "MODELS_DIR", "LOG_LEVEL", "BROKER_PORT", "BROKER_QUEUE_BOUND", "PROMETHEUS_PORT",
-                "PROMETHEUS_RETENTION", "GRAFANA_PORT", "GRAFANA_ADMIN_PASSWORD")
+                "PROMETHEUS_RETENTION", "GRAFANA_PORT", "GRAFANA_ADMIN_PASSWORD",
+                "SERVED_MODEL_NAME", "GATEWAY_API_KEYS", "GATEWAY_PORT")
 
 
 def docker_compose() -> str:
@@ -173,11 +175,29 @@ def test_redis_is_durable_and_checked():
 
 def test_turbomq_services_have_healthchecks_and_order():
     services = resolved()
-    for name in ("redis", "broker", "broker-b", "worker", "worker-gpu", "prometheus", "grafana"):
+    for name in ("redis", "broker", "broker-b", "worker", "worker-gpu", "gateway", "prometheus",
+                 "grafana"):
         assert services[name].get("healthcheck", {}).get("test"), f"{name} has no healthcheck"
     for name in ("worker", "worker-gpu"):
         depends = services[name]["depends_on"]
         assert {depends[d]["condition"] for d in ("broker", "broker-b", "redis")} == {"service_healthy"}
+    depends = services["gateway"]["depends_on"]
+    assert {depends[d]["condition"] for d in ("broker", "broker-b")} == {"service_healthy"}
+
+
+def test_gateway_is_a_curve_client_of_both_brokers_with_api_keys():
+    services = resolved()
+    argv = turbomq_commands(services)["gateway"]
+    assert flag(argv, "--broker") == "tcp://broker:5555,tcp://broker-b:5555"
+    assert flag(argv, "--host") == "0.0.0.0" and flag(argv, "--port") == "8000"
+    assert flag(argv, "--api-keys") == "/keys/api.keys"  # made by `turbomq keys init`
+    assert flag(argv, "--curve-secret") == "/keys/client.key_secret"
+    assert flag(argv, "--broker-key") == "/keys/broker.key"
+    assert ports(services["gateway"]) == [("127.0.0.1", "8000", "8000")]
+    env = {"SERVED_MODEL_NAME": "llama-3-8b", "GATEWAY_PORT": "8080"}
+    services = resolved(**env)
+    assert flag(turbomq_commands(services)["gateway"], "--served-model-name") == "llama-3-8b"
+    assert ports(services["gateway"]) == [("127.0.0.1", "8080", "8000")]
 
 
 def test_two_brokers_and_workers_register_with_both():
@@ -230,6 +250,54 @@ def test_broker_healthcheck_asks_a_real_broker(tmp_path):
     assert run_check(script) != 0, "the broker healthcheck passes with no broker"
 
 
+def test_gateway_healthcheck_asks_a_real_gateway(tmp_path):
+    """The compose gateway's command and healthcheck against a real broker
+    (CURVE, the keys `turbomq keys init` makes), an echo worker and a real
+    gateway on local ports."""
+    services = resolved()
+    command = turbomq_commands(services)["gateway"]
+    script = healthcheck_script(services["gateway"])
+    assert "http://127.0.0.1:8000/health" in script
+    keys = tmp_path / "keys"
+    init_deployment(keys)
+    assert (keys / "api.keys").read_text().startswith("default sk-")
+    port = free_port()
+    script = script.replace("127.0.0.1:8000", f"127.0.0.1:{port}")
+    broker = subprocess.Popen([str(TURBOMQ), "broker", "--front", "tcp://127.0.0.1:*",
+                               "--back", "tcp://127.0.0.1:*", "--log-level", "WARNING",
+                               "--curve-secret", str(keys / "broker.key_secret"),
+                               "--client-keys", str(keys / "clients.allow"),
+                               "--worker-keys", str(keys / "workers.allow")],
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    procs = [broker]
+    try:
+        endpoints = json.loads(broker.stdout.readline())
+        argv = [a.replace("/keys/", f"{keys}/") for a in command[1:]]
+        argv[argv.index("--broker") + 1] = endpoints["front"]
+        argv[argv.index("--host") + 1] = "127.0.0.1"
+        argv[argv.index("--port") + 1] = str(port)
+        gateway = subprocess.Popen([str(TURBOMQ), *argv], stdout=subprocess.PIPE,
+                                   stderr=subprocess.DEVNULL, text=True)
+        procs.append(gateway)
+        assert json.loads(gateway.stdout.readline())["port"] == port
+        assert run_check(script) != 0, "healthy with no worker behind the broker"
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "turbomq.broker.echo_worker", "--broker", endpoints["back"],
+             "--curve-secret", str(keys / "worker.key_secret"),
+             "--broker-key", str(keys / "broker.key")], stderr=subprocess.DEVNULL))
+        deadline = time.monotonic() + 30
+        while run_check(script) != 0:
+            assert time.monotonic() < deadline, "the gateway healthcheck never passed"
+            time.sleep(0.2)
+    finally:
+        for proc in reversed(procs):
+            proc.terminate()
+            proc.wait(10)
+            if proc.stdout:
+                proc.stdout.close()
+    assert run_check(script) != 0, "the gateway healthcheck passes with no gateway"
+
+
 def test_worker_healthcheck_reads_metrics():
     services = resolved()
     commands = turbomq_commands(services)
@@ -275,9 +343,12 @@ def test_prometheus_scrapes_every_turbomq_service():
     for name, argv in turbomq_commands(services).items():
         if name == "keys":
             continue  # a one-shot: nothing to scrape
-        assert flag(argv, "--metrics-host") == "0.0.0.0", f"{name}: metrics not reachable from prometheus"
-        assert scraped.get(name) == flag(argv, "--metrics-port"), \
-            f"{name}: prometheus scrapes {scraped.get(name)}, the service serves {flag(argv, '--metrics-port')}"
+        # the gateway serves /metrics on its HTTP API's host and port
+        host_flag, port_flag = (("--host", "--port") if argv[1] == "gateway"
+                                else ("--metrics-host", "--metrics-port"))
+        assert flag(argv, host_flag) == "0.0.0.0", f"{name}: metrics not reachable from prometheus"
+        assert scraped.get(name) == flag(argv, port_flag), \
+            f"{name}: prometheus scrapes {scraped.get(name)}, the service serves {flag(argv, port_flag)}"
     assert set(scraped) <= set(services), f"scraped hosts that are no service: {set(scraped) - set(services)}"
 
 

@@ -121,6 +121,25 @@ def test_the_graph_sees_function_level_imports():
     ("turbomq.clients", "torch"),
     ("turbomq.clients", "turbomq.worker"),
     ("turbomq.broker", "torch"),
+    # the HTTP stack and the benchmark's libraries come only with their extras
+    ("turbomq.clients", "starlette"),
+    ("turbomq.clients", "uvicorn"),
+    ("turbomq.clients", "httpx"),
+    ("turbomq.clients", "matplotlib"),
+    ("turbomq.clients", "prometheus_client"),
+    ("turbomq.clients", "turbomq.clients.gateway"),
+    ("turbomq.clients", "turbomq.clients.bench"),
+    ("turbomq.clients.gateway", "torch"),
+    ("turbomq.clients.gateway", "turbomq.worker"),
+    ("turbomq.clients.gateway", "turbomq.broker"),
+    ("turbomq.clients.bench", "torch"),
+    ("turbomq.clients.bench", "turbomq.worker"),
+    ("turbomq.clients.bench", "matplotlib"),
+    ("turbomq.worker.cli", "starlette"),
+    # the `turbomq` parser takes the bench's flags from bench/cli.py: stdlib only
+    ("turbomq.worker.cli.main", "httpx"),
+    ("turbomq.worker.cli.main", "matplotlib"),
+    ("turbomq.clients.bench.cli", "numpy"),
 ])
 def test_light_modules_stay_light(module, heavy):
     code = (f"import sys, {module}\n"
@@ -130,8 +149,44 @@ def test_light_modules_stay_light(module, heavy):
     assert run.returncode == 0, f"importing {module} imports {heavy}: {run.stderr[-500:]}"
 
 
+CLIENTS = ROOT / "clients"
+EXTRA_PACKAGES = ("gateway", "bench")  # optional extras beside the client library
+
+
+def test_the_client_library_never_imports_its_extras():
+    """Importing turbomq.clients never pulls in the gateway's HTTP stack or
+    the benchmark, counting imports inside functions; the extras build on the
+    client library, never on the worker or the broker."""
+    wrong = []
+    for path in sorted(CLIENTS.rglob("*.py")):
+        rel = path.relative_to(CLIENTS)
+        in_extra = rel.parts[0] in EXTRA_PACKAGES
+        package = ".".join(["turbomq", "clients", *rel.parent.parts])
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")
+                    base = base[:len(base) - node.level + 1]
+                    origin = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    origin = node.module or ""
+                names = [origin] + [f"{origin}.{a.name}" for a in node.names]
+            for name in names:
+                extra = any(name == f"turbomq.clients.{e}" or name.startswith(f"turbomq.clients.{e}.")
+                            for e in EXTRA_PACKAGES)
+                if not in_extra and extra:
+                    wrong.append(f"{rel} -> {name}")
+                if in_extra and name.startswith(("turbomq.worker", "turbomq.broker", "torch")):
+                    wrong.append(f"{rel} -> {name}")
+    assert not wrong, "\n".join(wrong)
+
+
 def test_every_package_says_what_it_owns():
     for init in sorted(WORKER.rglob("__init__.py")) + [ROOT / d / "__init__.py" for d in
-                                                       ("broker", "clients", "monitoring")]:
+                                                       ("broker", "clients", "monitoring",
+                                                        "clients/gateway", "clients/bench")]:
         doc = ast.get_docstring(ast.parse(init.read_text()))
         assert doc and len(doc) > 40, f"{init.relative_to(ROOT)} has no docstring"

@@ -22,7 +22,8 @@ def run(args, **kw) -> subprocess.CompletedProcess:
 def test_help_lists_commands():
     out = run(TURBOMQ + ["--help"])
     assert out.returncode == 0
-    for command in ("generate", "demo-model", "convert", "broker", "worker", "up", "chat"):
+    for command in ("generate", "demo-model", "convert", "broker", "worker", "up", "chat",
+                    "gateway", "bench"):
         assert command in out.stdout
 
 
@@ -63,16 +64,19 @@ def test_make_serve_answers_with_a_real_model():
     assert "[stop;" in out.stdout
 
 
-def test_up_with_a_broker_pair(tmp_path):
+def test_up_with_a_broker_pair_and_the_gateway(tmp_path):
     # --brokers 2: two brokers, each worker registers with both, the smoke
-    # client is given both fronts.
+    # client is given both fronts; --gateway-port: the gateway too, given both
+    # fronts, and the smoke sends one completion through it.
     out = run(TURBOMQ + ["up", "--model", demo_model_dir(), "--workers", "1", "--brokers", "2",
-                         "--smoke"])
+                         "--gateway-port", "0", "--smoke"])
     assert out.returncode == 0, out.stderr
     fronts = out.stdout.split("Clients connect to ", 1)[1].splitlines()[0].split(", ")
     assert len(fronts) == 2 and all(f.startswith("tcp://127.0.0.1:") for f in fronts)
     assert out.stdout.count("  broker   front ") == 2
     assert "[length;" in out.stdout or "[stop;" in out.stdout
+    assert "  gateway  OpenAI API at http://127.0.0.1:" in out.stdout
+    assert "[gateway: length; 16 tokens]" in out.stdout or "[gateway: stop;" in out.stdout
 
 
 def test_generate_over_two_ranks_gives_the_same_tokens():
@@ -94,3 +98,25 @@ def test_a_missing_extra_is_named_in_one_line():
     assert out.returncode == 2
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and "pip install 'turbomq[worker]'" in lines[0], out.stderr
+
+
+def test_the_gateway_without_its_extra_is_named_in_one_line():
+    for module in ("starlette", "prometheus_client"):
+        code = (f"import sys; sys.modules[{module!r}] = None\n"
+                "from turbomq.worker.cli.main import main\n"
+                "sys.exit(main(['gateway', '--broker', 'tcp://127.0.0.1:1', '--port', '0']))")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             timeout=120)
+        assert out.returncode == 2
+        lines = out.stderr.strip().splitlines()
+        assert len(lines) == 1 and "pip install 'turbomq[gateway]'" in lines[0], out.stderr
+
+
+def test_the_bench_without_its_extra_is_named_in_one_line():
+    code = ("import sys; sys.modules['httpx'] = None\n"
+            "from turbomq.worker.cli.main import main\n"
+            "sys.exit(main(['bench', '--base-url', 'http://127.0.0.1:1/v1', '--no-progress']))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "pip install 'turbomq[bench]'" in lines[0], out.stderr

@@ -20,7 +20,8 @@ import yaml
 
 from conftest import free_port, require_binary, wait_until
 from helpers import demo_model_dir
-from turbomq.monitoring import BROKER_METRICS, COUNTER, HISTOGRAM, WORKER_METRICS, catalogue, series_names
+from turbomq.monitoring import (BROKER_METRICS, COUNTER, GATEWAY_METRICS, HISTOGRAM, WORKER_METRICS,
+                                catalogue, series_names)
 
 ROOT = Path(__file__).resolve().parents[2]
 GRAFANA = ROOT / "monitoring" / "grafana"
@@ -39,6 +40,7 @@ KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "boo
 
 WORKER_FAMILIES = {spec.name: spec for spec in WORKER_METRICS}
 BROKER_FAMILIES = {spec.name: spec for spec in BROKER_METRICS}
+GATEWAY_FAMILIES = {spec.name: spec for spec in GATEWAY_METRICS}
 
 
 # ---------------------------------------------------------------- reading
@@ -68,7 +70,7 @@ def panel_exprs() -> list[tuple[str, str, str]]:
 
 
 def spec_of(family: str):
-    return WORKER_FAMILIES.get(family) or BROKER_FAMILIES.get(family)
+    return WORKER_FAMILIES.get(family) or BROKER_FAMILIES.get(family) or GATEWAY_FAMILIES.get(family)
 
 
 def family_of(series: str) -> str:
@@ -226,8 +228,9 @@ WORKERS = ("dash-w1", "dash-w2")
 
 
 class Stack:
-    """A real broker and two real workers (demo model, CPU, Redis), each
-    serving /metrics on a port chosen here, so Prometheus knows them up front."""
+    """A real broker, two real workers (demo model, CPU, Redis) and a real
+    gateway, each serving /metrics on a port chosen here, so Prometheus knows
+    them up front (the gateway serves it on its HTTP port)."""
 
     def __init__(self, tmp: Path, redis_url: str):
         self.tmp = tmp
@@ -252,6 +255,10 @@ class Stack:
                                     "--worker-id", worker_id, "--metrics-port", str(port),
                                     "--max-batch-size", "2", "--block-size", "16",
                                     "--num-kv-blocks", "8", "--log-level", "WARNING"], env)
+        port = self.metrics_ports["gateway"] = free_port()
+        self.gateway = f"http://127.0.0.1:{port}"
+        self._spawn("gateway", ["gateway", "--broker", self.front, "--port", str(port),
+                                "--served-model-name", "demo", "--log-level", "WARNING"], env)
 
     def _spawn(self, name: str, args: list[str], env: dict, **kw) -> subprocess.Popen:
         log = open(self.tmp / f"{name}.log", "w")
@@ -283,14 +290,23 @@ class Stack:
                 proc.stdout.close()
 
 
-def drive_load(front: str) -> int:
-    """Stateless requests and multi-turn sessions; returns the requests sent."""
+def drive_load(front: str, gateway: str) -> int:
+    """Stateless requests (some through the gateway) and multi-turn sessions;
+    returns the requests sent."""
+    import openai
+
     from turbomq.clients import Client
 
     sent = 0
     with Client(front, timeout=60) as client:
         wait_until(lambda: client.health(timeout=5)["workers"] == len(WORKERS), 60,
                    "both workers registered with the broker", interval=0.2)
+        api = openai.OpenAI(base_url=gateway + "/v1", api_key="none", max_retries=3)
+        for i in range(2):
+            for _ in api.completions.create(model="demo", prompt=f"Through the gateway {i}",
+                                            max_tokens=4, temperature=0, stream=True):
+                pass
+            sent += 1
         for i in range(4):
             client.generate(f"The harbour town woke slowly {i}", max_tokens=8, temperature=0)
             sent += 1
@@ -314,7 +330,7 @@ def test_every_panel_query_returns_data_from_a_live_stack(tmp_path, redis_server
         prom = prometheus(stack.targets, interval="1s")
         try:
             prom.wait_targets_up(timeout=60)
-            sent = drive_load(stack.front)
+            sent = drive_load(stack.front, stack.gateway)
         except Exception as e:
             raise AssertionError(f"{e}\n{stack.logs()}\n--- prometheus\n{prom.log()}") from e
         # Every request is finished and scraped, twice, so each rate() has points.

@@ -3,6 +3,7 @@ and one port per process, and a real Prometheus scraping it."""
 
 from __future__ import annotations
 
+import itertools
 import re
 import urllib.request
 
@@ -10,9 +11,9 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from turbomq.monitoring import (BROKER_METRICS, COUNTER, GAUGE, HISTOGRAM, INFO, WORKER_METRICS,
-                                BrokerMetrics, WorkerMetrics, catalogue, serve_metrics,
-                                series_names)
+from turbomq.monitoring import (BROKER_METRICS, COUNTER, GATEWAY_METRICS, GAUGE, HISTOGRAM, INFO,
+                                WORKER_METRICS, BrokerMetrics, GatewayMetrics, WorkerMetrics,
+                                catalogue, serve_metrics, series_names)
 from turbomq.worker.service.redis_store import RedisSessionStore
 from turbomq.worker.engine.session_store import SessionStoreError
 
@@ -87,15 +88,21 @@ def test_naming_rules():
     assert all(s.component == "broker" and s.name.startswith("turbomq_broker_")
                for s in BROKER_METRICS)
     assert not any(s.name.startswith("turbomq_broker_") for s in WORKER_METRICS)
+    assert all(s.component == "gateway" and s.name.startswith("turbomq_gateway_")
+               for s in GATEWAY_METRICS)
+    assert len({s.attr for s in GATEWAY_METRICS}) == len(GATEWAY_METRICS)
+    assert not any(s.name.startswith("turbomq_gateway_") for s in WORKER_METRICS + BROKER_METRICS)
 
 
-@pytest.mark.parametrize("component", ["worker", "broker"])
+@pytest.mark.parametrize("component", ["worker", "broker", "gateway"])
 def test_every_metric_is_served(component):
     registry = CollectorRegistry()
     if component == "worker":
         metrics, specs = WorkerMetrics(registry, "w0"), WORKER_METRICS
-    else:
+    elif component == "broker":
         metrics, specs = BrokerMetrics(registry), BROKER_METRICS
+    else:
+        metrics, specs = GatewayMetrics(registry), GATEWAY_METRICS
     touch_all(metrics, specs)
     server, port = serve_metrics(registry, "127.0.0.1", 0)
     try:
@@ -128,12 +135,17 @@ def test_known_label_values_start_at_zero():
     registry = CollectorRegistry()
     WorkerMetrics(registry, "w0")
     BrokerMetrics(registry)
+    GatewayMetrics(registry)
     for spec in catalogue():
-        for label, values in spec.label_values:
-            for value in values:
-                extra = {"worker": "w0"} if spec.component == "worker" else {}
-                name = spec.name if spec.type != HISTOGRAM else spec.name + "_count"
-                assert registry.get_sample_value(name, {**extra, label: value}) == 0, (name, value)
+        if not spec.label_values:
+            continue
+        names = [label for label, _ in spec.label_values]
+        # every combination of the known values (a metric may have several such labels)
+        for values in itertools.product(*(vals for _, vals in spec.label_values)):
+            extra = {"worker": "w0"} if spec.component == "worker" else {}
+            name = spec.name if spec.type != HISTOGRAM else spec.name + "_count"
+            labels = {**extra, **dict(zip(names, values))}
+            assert registry.get_sample_value(name, labels) == 0, (name, labels)
 
 
 def test_two_workers_on_one_host_do_not_collide():

@@ -91,7 +91,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         if value is not None:
             worker_args += ["--" + flag.replace("_", "-"), str(value)]
     config = UpConfig(model=args.model, workers=workers, brokers=args.brokers, front=front,
-                      curve=args.curve,
+                      curve=args.curve, gateway_port=args.gateway_port,
                       redis_url=args.redis_url or None, device=device,
                       worker_args=worker_args, log_level=args.log_level)
     return run_up(config, smoke_test=args.smoke)
@@ -130,6 +130,30 @@ def cmd_keys(args: argparse.Namespace) -> int:
         print(f"turbomq keys: error: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def cmd_gateway(args: argparse.Namespace) -> int:
+    _setup_logging(args.log_level)
+    from turbomq.clients.gateway import ConfigError, GatewayConfig, run_gateway
+
+    config = GatewayConfig(broker=[b for b in args.broker.split(",") if b], host=args.host,
+                           port=args.port,
+                           served_model_names=tuple(n for n in args.served_model_name.split(",")
+                                                    if n),
+                           api_keys=args.api_keys or None, broker_key=args.broker_key,
+                           curve_secret=args.curve_secret, tenant_keys=args.tenant_keys,
+                           request_timeout=args.request_timeout, log_level=args.log_level)
+    try:
+        run_gateway(config)
+    except ConfigError as e:
+        print(f"turbomq gateway: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from turbomq.clients.bench.cli import main as bench_main
+    return bench_main(args)
 
 
 def _add_curve_args(p: argparse.ArgumentParser, who: str) -> None:
@@ -292,6 +316,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument("--curve", action="store_true",
                    help="CurveZMQ on every link, with keys made for this run (docs/security.md)")
+    p.add_argument("--gateway-port", type=int, default=None, metavar="P",
+                   help="also run the OpenAI-compatible HTTP gateway on port P (0: a free "
+                        "one; docs/gateway.md)")
     p.add_argument("--smoke", action="store_true",
                    help="start everything, stream one generation through the client, stop, exit 0")
     p.add_argument("--log-level", default="WARNING")
@@ -323,6 +350,36 @@ def build_parser() -> argparse.ArgumentParser:
     _add_curve_args(p, "client")
     p.set_defaults(func=cmd_chat)
 
+    p = sub.add_parser("gateway", help="OpenAI-compatible HTTP API in front of a broker "
+                                       "(docs/gateway.md)")
+    p.add_argument("--broker", default="tcp://127.0.0.1:5555",
+                   help="the broker's front endpoint; several: comma-separated, failed over")
+    p.add_argument("--host", default="127.0.0.1", help="0.0.0.0 to listen on every interface")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port; 0 picks a free one")
+    p.add_argument("--served-model-name", default="turbomq", metavar="NAME[,NAME]",
+                   help="the model name(s) /v1/models lists and requests name")
+    p.add_argument("--api-keys", default=None, metavar="FILE",
+                   help="`TENANT API_KEY` lines; requests need `Authorization: Bearer KEY` "
+                        "(default: no authentication)")
+    p.add_argument("--tenant-keys", default=None, metavar="DIR",
+                   help="CurveZMQ: DIR/TENANT.key_secret, the client key of each tenant of "
+                        "--api-keys (with --broker-key)")
+    p.add_argument("--curve-secret", default=None, metavar="FILE",
+                   help="CurveZMQ: the gateway's NAME.key_secret when it serves one tenant "
+                        "(with --broker-key)")
+    p.add_argument("--broker-key", default=None, metavar="FILE",
+                   help="the broker's public NAME.key (CurveZMQ)")
+    p.add_argument("--request-timeout", type=float, default=300.0,
+                   help="each request's deadline in seconds (a body's `timeout` may lower it)")
+    p.add_argument("--log-level", default="INFO")
+    p.set_defaults(func=cmd_gateway)
+
+    p = sub.add_parser("bench", help="serving benchmark against a broker or any "
+                                     "OpenAI-compatible server (docs/bench.md)")
+    from turbomq.clients.bench.cli import add_arguments as add_bench_arguments
+    add_bench_arguments(p)
+    p.set_defaults(func=cmd_bench)
+
     p = sub.add_parser("demo-model", help="write the built-in demo model (HF format)")
     p.add_argument("out_dir")
     p.add_argument("--seed", type=int, default=0)
@@ -352,7 +409,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         return args.func(args)
     except ModuleNotFoundError as e:
-        extra = _EXTRAS.get((e.name or "").split(".")[0])
+        module = (e.name or "").split(".")[0]
+        extra = _COMMAND_EXTRAS.get(argv[0], {}).get(module) or _EXTRAS.get(module)
         if extra is None:
             raise
         print(f"turbomq {argv[0]}: error: {e.name} is not installed; this command needs "
@@ -362,5 +420,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 # The optional dependencies by the extra that brings them (pyproject.toml).
-_EXTRAS = {"torch": "worker", "redis": "worker", "prometheus_client": "worker", "gguf": "worker"}
+_EXTRAS = {"torch": "worker", "redis": "worker", "prometheus_client": "worker", "gguf": "worker",
+           "starlette": "gateway", "uvicorn": "gateway", "anyio": "gateway",
+           "httpx": "bench", "tqdm": "bench", "matplotlib": "bench"}
+# Where a command needs a module through its own extra (the gateway's metrics).
+_COMMAND_EXTRAS = {"gateway": {"prometheus_client": "gateway"}}
 

@@ -1,5 +1,6 @@
 """`turbomq up`: the whole service on one machine. A broker, K worker
-processes and, unless a Redis URL is given, a throw-away local redis-server.
+processes, optionally the OpenAI-compatible gateway and, unless a Redis URL
+is given, a throw-away local redis-server.
 Children run in their own process groups, so a Ctrl-C reaches only this
 process, which then stops them in order: workers, broker, Redis.
 
@@ -70,6 +71,8 @@ class UpConfig:
     # CurveZMQ on every link: keys for the brokers, each worker and one client
     # are made in a private temporary folder (docs/security.md).
     curve: bool = False
+    # The OpenAI-compatible HTTP gateway on this port (0: a free one); None: none.
+    gateway_port: Optional[int] = None
     log_level: str = "WARNING"
 
 
@@ -79,6 +82,7 @@ class Running:
     redis_url: Optional[str]
     workers: list  # [{"worker_id", "metrics_port"}]
     keys: Optional[dict] = None  # with curve: {"client_secret", "broker_key"} file paths
+    gateway: Optional[dict] = None  # {"gateway": URL, "port"} when one runs
 
     @property
     def fronts(self) -> list[str]:
@@ -153,8 +157,18 @@ class LocalService:
         for name, proc in self.procs:
             if name.startswith("worker-"):
                 workers.append(_read_json_line(proc, name, START_TIMEOUT_S))
+        gateway = None
+        if c.gateway_port is not None:
+            fronts = ",".join(b["front"] for b in brokers)
+            cmd = [sys.executable, "-m", "turbomq.worker.cli", "gateway", "--broker", fronts,
+                   "--port", str(c.gateway_port),
+                   "--served-model-name", Path(c.model.rstrip("/")).name or "turbomq",
+                   "--log-level", c.log_level]
+            if keys:  # one tenant: the run's client key
+                cmd += ["--curve-secret", keys["client_secret"], "--broker-key", keys["broker_key"]]
+            gateway = _read_json_line(self._spawn("gateway", cmd), "gateway", 60)
         return Running(brokers, redis_url, workers,
-                       keys and {k: keys[k] for k in ("client_secret", "broker_key")})
+                       keys and {k: keys[k] for k in ("client_secret", "broker_key")}, gateway)
 
     def _keys(self) -> dict:
         """Key pairs for the brokers (one, shared), each worker and a client,
@@ -223,7 +237,7 @@ class LocalService:
 
     def stop(self) -> None:
         # Workers first (they talk to both others), then the brokers, then Redis.
-        def rank(name: str) -> int:
+        def rank(name: str) -> int:  # the gateway goes with the workers
             return 1 if name.startswith("broker") else 2 if name == "redis" else 0
 
         for step in (0, 1, 2):
@@ -268,6 +282,9 @@ def _describe(running: Running) -> str:
         lines.append(f"  keys     CurveZMQ on every link; a client connects with "
                      f"--curve-secret {running.keys['client_secret']} "
                      f"--broker-key {running.keys['broker_key']}")
+    if running.gateway:
+        lines.append(f"  gateway  OpenAI API at {running.gateway['gateway']}/v1 "
+                     f"(metrics {running.gateway['gateway']}/metrics)")
     lines.append(f"  redis    {running.redis_url}" if running.redis_url
                  else "  redis    none: sessions are per worker (in-process stores)")
     for w in running.workers:
@@ -300,6 +317,35 @@ def smoke(front, workers: int, curve=None) -> str:
         return "".join(text)
 
 
+def smoke_gateway(url: str, model: str) -> str:
+    """One completion through the gateway's OpenAI API (plain HTTP, no
+    openai package needed); returns its text."""
+    import urllib.error
+    import urllib.request
+
+    deadline = time.monotonic() + 30
+    while True:  # the gateway learns of the workers from the broker's health
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=5) as r:
+                if json.loads(r.read()).get("workers"):
+                    break
+        except (urllib.error.URLError, OSError):
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError("the gateway did not see the workers")
+        time.sleep(0.1)
+    body = json.dumps({"model": model, "prompt": "Once upon a time", "max_tokens": 16,
+                       "temperature": 0.8, "seed": 0}).encode()
+    request = urllib.request.Request(url + "/v1/completions", body,
+                                     {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as r:
+        reply = json.loads(r.read())
+    choice = reply["choices"][0]
+    print(f"{choice['text']}\n[gateway: {choice['finish_reason']}; "
+          f"{reply['usage']['completion_tokens']} tokens]", flush=True)
+    return choice["text"]
+
+
 def run_up(config: UpConfig, smoke_test: bool = False) -> int:
     service = LocalService(config)
     stopping = []
@@ -318,6 +364,9 @@ def run_up(config: UpConfig, smoke_test: bool = False) -> int:
                 from turbomq.clients import CurveClient
                 curve = CurveClient.load(running.keys["client_secret"], running.keys["broker_key"])
             smoke(running.fronts, config.workers, curve)
+            if running.gateway:
+                smoke_gateway(running.gateway["gateway"],
+                              Path(config.model.rstrip("/")).name or "turbomq")
             return 0
         print("Ctrl-C stops everything.", flush=True)
         while not stopping:

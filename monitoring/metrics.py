@@ -71,7 +71,9 @@ class WorkerMetrics:
                      "kv_blocks_total": "kv_blocks_total", "kv_blocks_used": "kv_blocks_used",
                      "waiting": "requests_waiting",
                      "prefix_cache_blocks": "prefix_cache_blocks",
-                     "prefix_cache_free_blocks": "prefix_cache_free_blocks"}
+                     "prefix_cache_free_blocks": "prefix_cache_free_blocks",
+                     "host_tier_blocks_total": "host_tier_blocks_total",
+                     "host_tier_blocks_used": "host_tier_blocks_used"}
     _STATS_COUNTERS = {"evictions": "evictions", "evicted_tokens": "evicted_tokens",
                        "preemptions": "preemptions", "cache_hits": "cache_hits",
                        "cache_misses": "cache_misses", "prompt_tokens": "prompt_tokens",
@@ -79,7 +81,10 @@ class WorkerMetrics:
                        "reprefilled_tokens": "reprefilled_tokens",
                        "prefix_cache_queries": "prefix_cache_queries",
                        "prefix_cache_hit_blocks": "prefix_cache_hit_blocks",
-                       "prefix_cache_evictions": "prefix_cache_evictions"}
+                       "prefix_cache_evictions": "prefix_cache_evictions",
+                       "host_tier_stored_blocks": "host_tier_stored_blocks",
+                       "host_tier_loaded_blocks": "host_tier_loaded_blocks",
+                       "host_tier_bytes": "host_tier_bytes"}
 
     def __init__(self, registry: CollectorRegistry, worker_id: str) -> None:
         if not worker_id:

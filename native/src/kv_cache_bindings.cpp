@@ -44,6 +44,11 @@ void bind_kv_cache(py::module_& m) {
       .def("commit_block_hashes", &KVCacheManager::commit_block_hashes,
            py::arg("seq_id"), py::arg("first_block"), py::arg("hashes"),
            "names the sequence's full blocks first_block, first_block + 1, ...")
+      .def("set_record_reclaimed", &KVCacheManager::set_record_reclaimed,
+           py::arg("on"),
+           "list named blocks given new content (for a host-RAM tier)")
+      .def("take_reclaimed", &KVCacheManager::take_reclaimed,
+           "[(block, old name)] reclaimed since the last call; clears the list")
       .def("evict", &KVCacheManager::evict, py::arg("seq_id"))
       .def("erase", &KVCacheManager::erase, py::arg("seq_id"))
       .def("state", &KVCacheManager::state, py::arg("seq_id"))

@@ -51,6 +51,7 @@ BlockId BlockPool::allocate() {
   } else {  // the least recently freed cached block gets new content
     block = cached_free_.front();
     cached_free_.pop_front();
+    if (record_reclaimed_) reclaimed_.emplace_back(block, hashes_[block]);
     forget_hash(block);
     ++cached_evictions_;
   }

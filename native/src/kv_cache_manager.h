@@ -9,6 +9,7 @@
 #include <stdexcept>
 #include <string>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 namespace turbomq {
@@ -69,6 +70,13 @@ class BlockPool {
   int32_t num_cached_free() const { return static_cast<int32_t>(cached_free_.size()); }
   int64_t num_hashed() const { return static_cast<int64_t>(by_hash_.size()); }
   int64_t cached_evictions() const { return cached_evictions_; }
+  // With recording on, every named block that allocate() gives new content
+  // is listed with its old name, until take_reclaimed() hands the list over
+  // (the engine copies that content to its host-RAM tier first).
+  void set_record_reclaimed(bool on) { record_reclaimed_ = on; }
+  std::vector<std::pair<BlockId, BlockHash>> take_reclaimed() {
+    return std::exchange(reclaimed_, {});
+  }
   const std::vector<BlockId>& free_stack() const { return free_stack_; }
   const std::list<BlockId>& cached_free() const { return cached_free_; }
   bool cached_position_ok(BlockId block, std::list<BlockId>::const_iterator it) const {
@@ -87,6 +95,8 @@ class BlockPool {
   std::vector<std::list<BlockId>::iterator> cached_pos_;
   std::unordered_map<BlockHash, BlockId> by_hash_;
   int64_t cached_evictions_ = 0;  // named free blocks reused for new content
+  bool record_reclaimed_ = false;
+  std::vector<std::pair<BlockId, BlockHash>> reclaimed_;
 };
 
 struct KVCacheStats {
@@ -131,6 +141,11 @@ class KVCacheManager {
   // so later prompts with the same prefix reuse them.
   void commit_block_hashes(SeqId seq_id, int64_t first_block,
                            const std::vector<BlockHash>& hashes);
+  // Host-RAM tier support: see BlockPool::set_record_reclaimed.
+  void set_record_reclaimed(bool on) { pool_.set_record_reclaimed(on); }
+  std::vector<std::pair<BlockId, BlockHash>> take_reclaimed() {
+    return pool_.take_reclaimed();
+  }
   // Forces a CACHED sequence to EVICTED.
   void evict(SeqId seq_id);
   // Forgets the sequence in any state, dropping its blocks.

@@ -24,6 +24,11 @@ class EngineConfig:
     # Reuse the leading KV blocks any earlier request wrote for the same
     # tokens (docs/kv_cache.md, "Prefix caching").
     prefix_caching: bool = True
+    # Host-RAM tier: blocks of pinned host memory that keep named KV blocks
+    # the GPU pool had to reuse (docs/kv_cache.md, "Host-RAM tier"). None:
+    # on CUDA, a quarter of the available RAM up to 4x the GPU pool; on the
+    # CPU, none (the pool is host RAM already). 0: off.
+    host_kv_blocks: Optional[int] = None
     cuda_graphs: bool = True  # decode steps replay captured graphs (CUDA, fp16/bf16)
     # With graphs: launch decode step t+1 before reading step t's tokens, so
     # the host's work between steps overlaps the GPU's.

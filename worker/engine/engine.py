@@ -21,6 +21,7 @@ import numpy as np
 
 from . import errors, ranks
 from .block_hash import hash_seed
+from .host_tier import HostTier
 from .chat_template import ChatTemplate, ChatTemplateError
 from .config import EngineConfig
 from .output import TextStream
@@ -140,6 +141,7 @@ class Engine:
             self.ranks.send_pool(num_blocks)
         self.runner.allocate_kv(num_blocks)
         self.kv_manager = KVCacheManager(num_blocks, config.block_size)
+        self.host_tier = self._host_tier()
         self.scheduler = Scheduler(SchedulerConfig(
             max_batch_size=config.max_batch_size,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -148,7 +150,7 @@ class Engine:
             reserved_tokens=config.reserved_tokens, prefix_caching=config.prefix_caching,
             hash_seed=hash_seed(Path(config.model).name, repr(self.model_config),
                                 str(self.runner.model.dtype), str(self.runner.kv_dtype))),
-            self.kv_manager)
+            self.kv_manager, self.host_tier)
         self.session_store: SessionStore = session_store or InMemorySessionStore()
 
         self._inbox: "queue.SimpleQueue[tuple[str, object]]" = queue.SimpleQueue()
@@ -168,7 +170,20 @@ class Engine:
         self.step_observer: Optional[Callable[[Optional[StepPlan], float], None]] = None
         self.counters = {"requests_finished": 0, "prompt_tokens": 0, "generated_tokens": 0,
                          "reused_tokens": 0, "reprefilled_tokens": 0, "steps": 0,
-                         "overlapped_steps": 0, "requests_replayed": 0}
+                         "overlapped_steps": 0, "requests_replayed": 0, "host_tier_bytes": 0}
+
+    def _host_tier(self) -> Optional[HostTier]:
+        """The host-RAM tier, where configured (single-device engines)."""
+        blocks = self.config.host_kv_blocks
+        if blocks is None:
+            blocks = self.runner.host_kv_blocks_default()
+        if blocks <= 0 or not self.config.prefix_caching:
+            return None
+        if self.ranks is not None:
+            log.warning("the host-RAM KV tier is not used with tensor parallelism yet")
+            return None
+        self.runner.allocate_host_kv(blocks)
+        return HostTier(blocks)
 
     @property
     def max_tokens_in_pool(self) -> int:
@@ -394,6 +409,10 @@ class Engine:
             "prefix_cache_blocks": kv["cached_blocks"],
             "prefix_cache_free_blocks": kv["cached_free_blocks"],
             "prefix_cache_evictions": kv["cached_block_evictions"],
+            "host_tier_blocks_total": self.host_tier.num_slots if self.host_tier else 0,
+            "host_tier_blocks_used": len(self.host_tier) if self.host_tier else 0,
+            "host_tier_stored_blocks": self.host_tier.stored_blocks if self.host_tier else 0,
+            "host_tier_loaded_blocks": self.host_tier.loaded_blocks if self.host_tier else 0,
             **self.counters,
         }
 
@@ -465,6 +484,8 @@ class Engine:
                 self._observe(None, 0.0)
             return False
         plan = self.scheduler.schedule()
+        if plan.spills or plan.loads:  # before anything reads or reuses those blocks
+            self.counters["host_tier_bytes"] += self.runner.move_blocks(plan.spills, plan.loads)
         if prev is not None and not self._runs_ahead(plan):
             self._settle()  # may finish sequences the plan holds
             prev = None

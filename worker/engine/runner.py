@@ -75,6 +75,8 @@ class ModelRunner:
                                  mc.max_position_embeddings)
         self.kv_dtype = resolve_kv_dtype(config.kv_dtype, model.dtype)
         self.kv_cache: Optional[PagedKVCache] = None
+        self.host_kv: Optional[torch.Tensor] = None  # the host-RAM tier, if any
+        self.host_scales: Optional[torch.Tensor] = None
         self.graphs: Optional[DecodeGraphs] = None
         # Two pinned buffers for sampled tokens, one per step in flight.
         self._token_buffers = ([torch.empty(config.max_batch_size, dtype=torch.long,
@@ -115,6 +117,58 @@ class ModelRunner:
                  cfg.block_size, num_blocks * cfg.block_size, self.kv_dtype,
                  self.kv_cache.nbytes / 2**30)
 
+    def host_kv_blocks_default(self) -> int:
+        """A quarter of the available RAM, at most 4x the GPU pool, on CUDA;
+        none on the CPU (its pool is host RAM already)."""
+        if self.device.type != "cuda" or self.kv_cache is None:
+            return 0
+        try:
+            with open("/proc/meminfo") as f:
+                info = dict(line.split(":", 1) for line in f)
+            available = int(info["MemAvailable"].split()[0]) * 1024
+        except (OSError, KeyError, ValueError):
+            return 0
+        per_block = self.kv_cache.nbytes // self.kv_cache.num_blocks
+        return min(available // 4 // per_block, 4 * self.kv_cache.num_blocks)
+
+    def allocate_host_kv(self, num_blocks: int) -> None:
+        """Host memory for `num_blocks` blocks (pinned on CUDA, so copies
+        run at full PCIe speed), laid out like the pool."""
+        kv, pin = self.kv_cache, self.device.type == "cuda"
+        shape = list(kv.data.shape)
+        shape[2] = num_blocks
+        self.host_kv = torch.empty(shape, dtype=kv.data.dtype, pin_memory=pin)
+        self.host_scales = None
+        if kv.scales is not None:
+            sshape = list(kv.scales.shape)
+            sshape[2] = num_blocks
+            self.host_scales = torch.empty(sshape, dtype=kv.scales.dtype, pin_memory=pin)
+        log.info("host KV tier: %d blocks (%.2f GiB%s)", num_blocks,
+                 self.host_kv.nbytes / 2**30, ", pinned" if pin else "")
+
+    def move_blocks(self, spills: Sequence[tuple[int, int]],
+                    loads: Sequence[tuple[int, int]]) -> int:
+        """Copy (GPU block, host slot) pairs out, then (host slot, GPU block)
+        pairs in, on the step's stream, before the forward that reads them.
+        Returns the bytes moved."""
+        moved = 0
+        kv = self.kv_cache
+        for pairs, out in ((spills, True), (loads, False)):
+            if not pairs:
+                continue
+            src, dst = zip(*pairs)
+            blocks = torch.tensor(src if out else dst, dtype=torch.long, device=self.device)
+            slots = torch.tensor(dst if out else src, dtype=torch.long)
+            for pool, host in ((kv.data, self.host_kv), (kv.scales, self.host_scales)):
+                if pool is None:
+                    continue
+                if out:
+                    host[:, :, slots] = pool.index_select(2, blocks).cpu()
+                else:
+                    pool[:, :, blocks] = host[:, :, slots].to(self.device, non_blocking=True)
+                moved += host[:, :, slots[:1]].nbytes * len(pairs)
+        return moved
+
     def release_graphs(self) -> None:
         """Free captured graphs (before a tensor-parallel group goes: NCCL's
         teardown waits for graphs that still hold its collectives)."""
@@ -129,6 +183,7 @@ class ModelRunner:
             return
         self.release_graphs()
         self.graphs = self.kv_cache = self.model = None
+        self.host_kv = self.host_scales = None
         self._token_buffers = []
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # the allocator's cache too, back to the driver

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from .block_hash import extend_block_hashes, salted
+from .host_tier import HostTier
 from .sampling_params import SamplingParams
 
 
@@ -110,6 +111,10 @@ class ScheduledSeq:
 class StepPlan:
     scheduled: list[ScheduledSeq]
     preempted: list[Sequence]
+    # Host-RAM tier copies to make before the forward, in this order:
+    # (GPU block, host slot) out, then (host slot, GPU block) in.
+    spills: list[tuple[int, int]] = field(default_factory=list)
+    loads: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
@@ -117,9 +122,14 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_manager) -> None:
+    def __init__(self, config: SchedulerConfig, kv_manager,
+                 host_tier: Optional[HostTier] = None) -> None:
         self.config = config
         self.kv = kv_manager
+        self.host = host_tier if config.prefix_caching else None
+        if self.host is not None:
+            kv_manager.set_record_reclaimed(True)
+        self._loads: list[tuple[int, int]] = []
         self.slots: list[Optional[Sequence]] = [None] * config.max_batch_size
         self._free_slots = list(range(config.max_batch_size - 1, -1, -1))  # stack, lowest on top
         self.waiting: deque[Sequence] = deque()
@@ -201,7 +211,20 @@ class Scheduler:
             n = min(len(seq.tokens) - seq.num_computed, budget)
             plan.scheduled.append(ScheduledSeq(seq, n))
             budget -= n
+        if self.host is not None:
+            self._plan_host_copies(plan)
         return plan
+
+    def _plan_host_copies(self, plan: StepPlan) -> None:
+        """Named blocks the pool gave new content this step go to host RAM
+        first (unless it holds them already); loads admitted this step
+        follow. Slots being loaded are not reused for this step's spills."""
+        plan.loads, self._loads = self._loads, []
+        pinned = {slot for slot, _ in plan.loads}
+        for block, name in self.kv.take_reclaimed():
+            slot = self.host.store(name, pinned)
+            if slot is not None:
+                plan.spills.append((block, slot))
 
     def commit(self, plan: StepPlan) -> None:
         """Record a launched forward: each scheduled chunk's KV is (being)
@@ -284,14 +307,24 @@ class Scheduler:
             # it was evicted, or from any request that began the same way.
             # The last token is always computed, for its logits.
             usable = (len(seq.tokens) - 1) // self.config.block_size
-            resident = kv.attach_prefix(seq.kv_key, self._hashes(seq, usable))
-            resident *= self.config.block_size
+            hashes = self._hashes(seq, usable)
+            on_gpu = kv.attach_prefix(seq.kv_key, hashes)
+            # then what host RAM holds of the chain: loaded into new blocks
+            in_host = self.host.lookup_chain(hashes[on_gpu:]) if self.host is not None else []
+            if in_host:
+                return self._admit_with_loads(seq, existed, on_gpu, in_host)
+            resident = on_gpu * self.config.block_size
         # Never trust more resident KV than this turn's tokens explain, and keep
         # at least one token to compute so there are logits to sample from.
         resident = min(resident, len(seq.tokens) - 1)
         if not kv.reserve(seq.kv_key, max(self._admission_target(seq), resident + 1)):
             self._unadmit_kv(seq, existed)
             return False
+        self._admitted(seq, resident, missed)
+        return True
+
+    def _admitted(self, seq: Sequence, resident: int, missed: bool) -> None:
+        """Bookkeeping of an admitted sequence with `resident` tokens of KV."""
         if seq.session_id is not None and seq.first_admitted is None:
             if seq.history_len > 0:
                 if resident > 0:
@@ -306,8 +339,25 @@ class Scheduler:
         seq.num_computed = resident
         # A resident session's full blocks were named when they were written.
         seq.named_blocks = resident // self.config.block_size
-        kv.set_num_tokens(seq.kv_key, resident)
+        self.kv.set_num_tokens(seq.kv_key, resident)
         self._take_slot(seq)
+
+    def _admit_with_loads(self, seq: Sequence, existed: bool, on_gpu: int,
+                          slots: list[int]) -> bool:
+        """Admission whose prefix continues in host RAM: blocks for it are
+        reserved now and filled by copies before this step's forward."""
+        kv, bs = self.kv, self.config.block_size
+        resident = (on_gpu + len(slots)) * bs
+        if not kv.reserve(seq.kv_key, max(self._admission_target(seq), resident + 1)):
+            self._unadmit_kv(seq, existed)
+            return False
+        blocks = kv.block_table(seq.kv_key)[on_gpu:on_gpu + len(slots)]
+        self._loads.extend(zip(slots, blocks))
+        self.host.loaded_blocks += len(slots)
+        kv.set_num_tokens(seq.kv_key, resident)
+        # named now: the copy lands before any forward reads them
+        kv.commit_block_hashes(seq.kv_key, on_gpu, seq.block_hashes[on_gpu:on_gpu + len(slots)])
+        self._admitted(seq, resident, missed=True)
         return True
 
     def _hashes(self, seq: Sequence, num_blocks: int) -> list[int]:

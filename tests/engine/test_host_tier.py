@@ -1,0 +1,82 @@
+"""The host-RAM KV tier: named blocks the GPU pool has to reuse are copied to
+host memory first, and a later prompt that misses in the pool but hits there
+is loaded back instead of prefilled. Greedy tokens stay exactly those of an
+engine without any cache (fp32 and INT8 KV)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from helpers import demo_model_dir
+from turbomq.worker import Engine, EngineConfig, SamplingParams
+
+BLOCK = 16
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+def engine(**overrides) -> Engine:
+    cfg = dict(model=demo_model_dir(), max_batch_size=4, block_size=BLOCK)
+    cfg.update(overrides)
+    return Engine(EngineConfig(**cfg))
+
+
+def tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(3, 1000) for _ in range(n)]
+
+
+def test_a_prefix_pushed_out_of_the_pool_comes_back_from_host_ram():
+    rng = random.Random(0)
+    system = tokens(rng, 96)  # 6 full blocks
+    eng = engine(num_kv_blocks=10, host_kv_blocks=32)
+    first = eng.generate(input_ids=[system + tokens(rng, 5)], params=GREEDY)[0]
+    for _ in range(3):  # other traffic reuses every block of the pool
+        eng.generate(input_ids=[tokens(rng, 120)], params=GREEDY)
+    assert eng.kv_manager.match_prefix(eng.scheduler._hashes(_probe(system), 6)) == 0
+    again = eng.generate(input_ids=[system + tokens(rng, 5)], params=GREEDY)[0]
+    assert again.usage.cached_tokens == 96  # all six blocks, loaded from host RAM
+    stats = eng.stats()
+    assert stats["host_tier_loaded_blocks"] == 6 and stats["host_tier_stored_blocks"] >= 6
+    assert stats["host_tier_bytes"] > 0
+    assert first.usage.cached_tokens == 0
+    eng.kv_manager.check()
+
+
+def _probe(prompt):
+    from turbomq.worker.engine.scheduler import Sequence
+    return Sequence(request_id="probe", kv_key=-1, session_id=None, tokens=list(prompt),
+                    prompt_len=len(prompt), params=GREEDY)
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+def test_tokens_equal_a_cache_free_engine_under_pressure(kv_dtype):
+    rng = random.Random(1)
+    prefixes = [tokens(rng, 48) for _ in range(4)]
+    work = []
+    turns: dict[str, int] = {}
+    for _ in range(30):
+        session = f"s{rng.randrange(6)}" if rng.random() < 0.4 else None
+        if session is not None and turns.get(session, 0) >= 2:
+            session = None  # sessions stay within the context limit
+        if session is not None and turns.get(session):
+            prompt = tokens(rng, rng.randint(1, 16))  # a later turn: new tokens only
+        else:
+            prompt = rng.choice(prefixes)[:rng.randint(16, 48)] + tokens(rng, rng.randint(1, 24))
+        if session is not None:
+            turns[session] = turns.get(session, 0) + 1
+        work.append((session, prompt))
+    runs = []
+    for overrides in (dict(num_kv_blocks=14, host_kv_blocks=24), dict(prefix_caching=False)):
+        eng = engine(kv_dtype=kv_dtype, **overrides)
+        runs.append([eng.generate(input_ids=[p], params=GREEDY, session_id=s)[0].token_ids
+                     for s, p in work])
+        eng.kv_manager.check()
+        if "host_kv_blocks" in overrides:
+            stats = eng.stats()
+            assert stats["host_tier_loaded_blocks"] > 0 and stats["host_tier_stored_blocks"] > 0
+    assert runs[0] == runs[1]
+
+
+def test_the_tier_is_off_on_the_cpu_by_default():
+    assert engine(num_kv_blocks=10).host_tier is None

@@ -35,6 +35,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="split each layer over N devices: --device and the N-1 after it")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="do not reuse KV blocks of earlier requests with the same prefix")
+    p.add_argument("--host-kv-blocks", type=int, default=None, metavar="N",
+                   help="host-RAM KV tier size in blocks (default: from free RAM on cuda, "
+                        "none on cpu; 0: off)")
 
 
 def _engine_config(args: argparse.Namespace):
@@ -42,7 +45,8 @@ def _engine_config(args: argparse.Namespace):
     return EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
                         kv_dtype=args.kv_dtype, max_batch_size=args.max_batch_size,
                         block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
-                        tensor_parallel=args.tensor_parallel, prefix_caching=args.prefix_caching)
+                        tensor_parallel=args.tensor_parallel, prefix_caching=args.prefix_caching,
+                        host_kv_blocks=args.host_kv_blocks)
 
 
 def _setup_logging(level: str) -> None:

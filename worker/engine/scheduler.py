@@ -200,13 +200,18 @@ class Scheduler:
             budget -= n
 
         # 3. admit waiting requests, FCFS, while slots and budget last
+        computing: set[int] = set()  # names of blocks this step's admissions compute
         while self.waiting and budget >= 1 and self.num_free_slots:
             seq = self.waiting[0]
             if seq.inflight:
                 break  # preempted with a token in flight: admitted once it is delivered
+            if computing and self._next_block_in(seq, computing):
+                break  # it would compute a block again: take it by name next step
             if not self._admit(seq):
                 break  # head of line waits for blocks; nobody overtakes it
             self.waiting.popleft()
+            if self.config.prefix_caching:
+                computing.update(seq.block_hashes[seq.named_blocks:])
             # _admit reserved blocks for all known tokens, so any chunk fits
             n = min(len(seq.tokens) - seq.num_computed, budget)
             plan.scheduled.append(ScheduledSeq(seq, n))
@@ -359,6 +364,17 @@ class Scheduler:
         kv.commit_block_hashes(seq.kv_key, on_gpu, seq.block_hashes[on_gpu:on_gpu + len(slots)])
         self._admitted(seq, resident, missed=True)
         return True
+
+    def _next_block_in(self, seq: Sequence, names: set[int]) -> bool:
+        """Whether the first block `seq` would have to compute is one a request
+        admitted this step computes (a system prompt shared by a burst of new
+        conversations): it then waits a step and takes it by name."""
+        kv = self.kv
+        if kv.contains(seq.kv_key) and kv.num_tokens(seq.kv_key) > 0:
+            return False  # resident: nothing to look up
+        hashes = self._hashes(seq, (len(seq.tokens) - 1) // self.config.block_size)
+        found = kv.match_prefix(hashes)
+        return found < len(hashes) and hashes[found] in names
 
     def _hashes(self, seq: Sequence, num_blocks: int) -> list[int]:
         """Names of `seq`'s first `num_blocks` full blocks (cached on seq)."""

@@ -291,6 +291,7 @@ class Watcher:
     def __init__(self):
         self.containers: dict[str, dict] = {}  # id -> latest inspect
         self.probes: dict[str, dict[str, dict]] = {}  # id -> probe start -> probe
+        self.replicas: dict[str, int] = {}  # service -> containers expected (default 1)
 
     def poll(self) -> None:
         ids = run(["docker", "ps", "-aq", "--filter", f"label=com.docker.compose.project={PROJECT}"],
@@ -317,7 +318,7 @@ class Watcher:
 
     def ready(self, service: str) -> bool:
         containers = self.by_service().get(service, [])
-        if not containers:
+        if len(containers) < self.replicas.get(service, 1):
             return False
         for c in containers:
             state = c["State"]
@@ -343,8 +344,10 @@ def check_depends_on(watcher: Watcher, config: dict, services: list[str]) -> lis
     by_service = watcher.by_service()
     for name in services:
         deps = config[name].get("depends_on") or {}
-        for dependent in by_service.get(name, []):
+        for dependent in sorted(by_service.get(name, []), key=lambda c: c["Name"]):
             started = parse_time(dependent["State"]["StartedAt"])
+            label = name if len(by_service[name]) == 1 else \
+                f"{name} #{dependent['Config']['Labels'].get('com.docker.compose.container-number')}"
             for dep, spec in deps.items():
                 condition = spec.get("condition", "service_started") if isinstance(spec, dict) \
                     else "service_started"
@@ -360,18 +363,20 @@ def check_depends_on(watcher: Watcher, config: dict, services: list[str]) -> lis
                         ok = met <= started
                     if not ok:
                         raise Failed(f"{name} started before {dep} was {condition}")
-                    lines.append(f"{name} started {started - met:.1f} s after {dep}: {condition}")
+                    lines.append(f"{label} started {started - met:.1f} s after {dep}: {condition}")
     return lines
 
 
-def wait_healthy(compose: list[str], services: list[str], timeout: float,
+def wait_healthy(compose: list[str], services: list[str], workers: int, timeout: float,
                  work: Path) -> tuple[float, Watcher]:
     watcher = Watcher()
+    watcher.replicas["worker"] = workers
     start = time.monotonic()
     up_log = work / "up.log"
     up_log.write_text("")
     with open(up_log, "a") as f:
-        up = subprocess.Popen([*compose, "up", "-d", "--no-build", *services],
+        up = subprocess.Popen([*compose, "up", "-d", "--no-build", "--scale", f"worker={workers}",
+                               *services],
                               stdout=f, stderr=subprocess.STDOUT)
     wanted = ["keys", *services]
     seen = set()
@@ -414,18 +419,43 @@ def redis_stored_tokens(compose: list[str], session_key: str) -> int:
 
 
 def requests_check(compose: list[str], secret: Path, broker_key: Path, ports: list[int],
-                   n: int) -> dict:
+                   n: int, workers: int) -> dict:
     from turbomq.clients import Client, CurveClient, Delta, Final
 
     curve = CurveClient.load(str(secret), str(broker_key))
     sent = ok = 0
     health = {}
     prompts = ["Once upon a time", "The quick brown fox", "Hello, world", "In the beginning"]
-    for port in ports:
+    for port in ports:  # every worker registers with both brokers
         with Client(f"tcp://127.0.0.1:{port}", curve=curve, timeout=60) as c:
-            health[port] = c.health()
-            if health[port]["status"] != "ok" or health[port]["workers"] < 1:
-                raise Failed(f"broker on {port}: {health[port]}")
+            deadline = time.monotonic() + 60
+            while True:
+                health[port] = c.health()
+                if health[port]["status"] == "ok" and health[port]["workers"] == workers:
+                    break
+                if time.monotonic() > deadline:
+                    raise Failed(f"broker on {port}: {health[port]}, {workers} workers expected")
+                time.sleep(1)
+            log(f"  broker on :{port}: {health[port]}")
+    # Nobody is served for being on the network: a plain client, and one with
+    # a key of its own that no allow-list names, get no answer at all.
+    from turbomq.clients.keys import new_keypair
+    from turbomq.clients import TurbomqError
+    stranger_dir = Path(tempfile.mkdtemp(prefix="stranger-", dir=secret.parent))
+    new_keypair(stranger_dir, "stranger")
+    refused = {}
+    for who, key in (("plain", None),
+                     ("unknown key", CurveClient.load(str(stranger_dir / "stranger.key_secret"),
+                                                      str(broker_key)))):
+        with Client(f"tcp://127.0.0.1:{ports[0]}", curve=key, timeout=3) as c:
+            try:
+                c.health()
+                refused[who] = False
+            except TurbomqError as e:
+                refused[who] = True
+                log(f"  {who} client: no answer ({type(e).__name__})")
+    if not all(refused.values()):
+        raise Failed(f"a client without an allowed key was answered: {refused}")
     for i in range(n):
         port = ports[i % len(ports)]
         with Client(f"tcp://127.0.0.1:{port}", curve=curve, timeout=60) as c:
@@ -462,7 +492,7 @@ def requests_check(compose: list[str], secret: Path, broker_key: Path, ports: li
         log(f"  session: turn 1 {vars(first.usage)}; turn 2 {vars(second.usage)}; "
             f"{stored} tokens in Redis")
     return {"sent": sent, "ok": ok, "health": {str(k): v for k, v in health.items()},
-            "session": session}
+            "session": session, "refused": refused}
 
 
 def prometheus_check(port: int, workers: int, min_requests: int, timeout: float = 90) -> dict:
@@ -584,6 +614,7 @@ def cuda_standin_build(work: Path, index: str, no_cache: bool) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--no-cache", action="store_true", help="build turbomq:cpu from scratch")
+    ap.add_argument("--workers", type=int, default=2, help="CPU worker replicas (--scale worker=N)")
     ap.add_argument("--requests", type=int, default=8, help="generations through the brokers")
     ap.add_argument("--timeout", type=float, default=600, help="seconds to wait for health")
     ap.add_argument("--torch-index", help="the TORCH_INDEX_URL build argument (default: a "
@@ -614,6 +645,10 @@ def main() -> int:
         compose = [*compose_command(), "-p", PROJECT, "--project-directory", str(ROOT),
                    "-f", str(ROOT / "docker-compose.yml"), "-f", str(OVERRIDE)]
         results["compose"] = run([*compose, "version", "--short"], quiet=True).stdout.strip()
+        # Host ports through the compose file's own settings: free ones, so that
+        # a service already on this machine (5555, 9090, ...) is no obstacle.
+        for var in ("BROKER_PORT", "BROKER_B_PORT", "PROMETHEUS_PORT", "GRAFANA_PORT"):
+            os.environ.setdefault(var, str(free_port()))
         import yaml
         config = yaml.safe_load(run([*compose, "config"], quiet=True).stdout)["services"]
         # A leftover of an interrupted run goes first.
@@ -652,7 +687,8 @@ def main() -> int:
         t = time.monotonic()
         run([*build, "keys"], logfile=work / "build.log", timeout=3600)
         results["build_s"] = round(time.monotonic() - t, 1)
-        results["build_cached"] = not args.no_cache
+        built = (work / "build.log").read_text()
+        results["build_cached_steps"] = built.count("Using cache")
         size = run(["docker", "image", "inspect", "-f", "{{.Size}}", "turbomq:cpu"], quiet=True)
         results["image_mb"] = round(int(size.stdout) / 2**20)
         log(f"turbomq:cpu built in {results['build_s']} s ({results['image_mb']} MiB)")
@@ -660,7 +696,8 @@ def main() -> int:
         # Up, healthy, in order.
         services = STACK + (["grafana"] if bases[grafana] == "present" else [])
         results["services"] = ["keys", *services]
-        healthy_s, watcher = wait_healthy(compose, services, args.timeout, work)
+        results["workers"] = args.workers
+        healthy_s, watcher = wait_healthy(compose, services, args.workers, args.timeout, work)
         results["healthy_s"] = round(healthy_s, 1)
         results["depends_on"] = check_depends_on(watcher, config, services)
         for line in results["depends_on"]:
@@ -673,7 +710,8 @@ def main() -> int:
         cleanup.append(lambda: shutil.rmtree(keydir, ignore_errors=True))
         secret, broker_key = keys_out(compose, keydir)
         sys.path.insert(0, str(ROOT))
-        results["requests"] = requests_check(compose, secret, broker_key, ports, args.requests)
+        results["requests"] = requests_check(compose, secret, broker_key, ports, args.requests,
+                                             args.workers)
 
         # Prometheus.
         prom = config["prometheus"]["ports"][0]
@@ -756,37 +794,48 @@ def write_docs(r: dict) -> None:
     req, prom, s = r["requests"], r["prometheus"], r["requests"]["session"]
     bases = "\n".join(f"| `{name}` | {how} |" for name, how in r["bases"].items())
     targets = "; ".join(f"`{job}`: {', '.join(lines)}" for job, lines in prom["jobs"].items())
-    build = "cached layers" if r["build_cached"] else "from scratch (`--no-cache`)"
+    build = (f"{r['build_cached_steps']} steps from the layer cache" if r["build_cached_steps"]
+             else "from scratch")
+    built_bases = [n for n, how in r["bases"].items() if how == "stand-in"]
+    bases_line = (f"| base images: stand-ins built ({', '.join(built_bases)}) | {r['bases_s']} s |\n"
+                  if built_bases else "")
+    cuda = r["cuda_standin"]
+    cuda_line = (f"| CUDA image on stand-in bases (kernels compiled for sm_90a) | {cuda['build_s']} s |\n"
+                 if cuda.get("built") else "")
     text = f"""# `docker compose up`, built and run
 
-`make compose-test` (`.venv/bin/python benchmarks/compose_test.py`): builds turbomq:cpu, starts the compose stack, sends requests through the
-published ports with `turbomq.clients` over CurveZMQ, checks Prometheus, then
-`docker compose down -v`. On {r['machine']}, Docker engine {r['engine']}, compose {r['compose']}.
+`make compose-test` (`.venv/bin/python benchmarks/compose_test.py`, see
+docs/operations.md, "Testing the stack"): builds turbomq:cpu, starts the compose stack
+with {r['workers']} CPU workers (`--scale worker={r['workers']}`), sends requests through
+the published ports with `turbomq.clients` over CurveZMQ, checks Prometheus, then
+`docker compose down -v`. On {r['machine']}, Docker engine {r['engine']}, docker-compose
+{r['compose']}.
 
 | figure | value |
 | --- | --- |
-| image build (`compose build`, {build}) | {r['build_s']} s, {r['image_mb']} MiB |
+{bases_line}| image build, `compose build` of turbomq:cpu ({build}) | {r['build_s']} s ({r['image_mb']} MiB) |
 | `up -d` to every service healthy ({', '.join(r['services'])}) | {r['healthy_s']} s |
-| requests answered (generations over both brokers, one streamed, a two-turn session) | {req['ok']} of {req['sent']} |
-| session turn 2: prompt tokens (cached from resident KV); token IDs in Redis | {s['second']['prompt_tokens']} ({s['second']['cached_tokens']}); {s['redis_tokens']} |
+| requests answered (`health` on both brokers; generations over both, one streamed; a two-turn session) | {req['ok']} of {req['sent']} |
+| session turn 2: prompt tokens, of them from resident KV; token IDs in Redis | {s['second']['prompt_tokens']}, {s['second']['cached_tokens']}; {s['redis_tokens']} |
+| clients without an allowed key (plain; a key on no allow-list) answered | none ({', '.join(req['refused'])}: no answer) |
 | Prometheus targets up | {prom['up']} of {prom['targets']} |
 | alert rules loaded; brokers' completed requests scraped | {prom['alert_rules']}; {prom['broker_completed_requests']} |
-
+{cuda_line}
 Targets: {targets}.
 
-Start order (each dependent's start after its dependency met the `depends_on`
-condition, from the containers' health logs):
+Start order (each dependent started after its `depends_on` condition held, from the
+containers' health logs):
 
 {chr(10).join('- ' + line for line in r['depends_on'])}
 
-Base images (a stand-in is Debian bookworm's package, built by the script where no
-registry answers; docker/standins/):
+Base images (a stand-in is built from Debian bookworm packages where no registry
+answers: docker/standins/):
 
 | image | how |
 | --- | --- |
 {bases}
 
-CUDA image (`docker/Dockerfile.cuda`): {r['cuda']['result']}.
+CUDA image (`docker/Dockerfile.cuda`): {r['cuda']['result']}. {cuda['result'][0].upper() + cuda['result'][1:]}.
 
 Checks: {'; '.join(f"{k}: {'yes' if v else 'NO'}" for k, v in r['checks'].items())}.
 """

@@ -1,6 +1,6 @@
 """`docker compose up`, built and run for real, then torn down.
 
-    .venv/bin/python benchmarks/compose_test.py [--no-cache] [--requests N]
+    .venv/bin/python benchmarks/compose_test.py [--no-cache] [--workers N] [--requests N]
     make compose-test                          # COMPOSE_TEST_ARGS=... passes flags
 
 1. A Docker engine: the one DOCKER_HOST (or the default socket) names, or,
@@ -18,25 +18,30 @@
    with this machine's pip and served as a package index on 127.0.0.1 for
    the TORCH_INDEX_URL build argument (--torch-index URL uses another index).
    The build runs on the host's network for it (docker/compose-test.yml).
-4. `compose build` of turbomq:cpu (timed), `compose up -d` of redis, both
-   brokers, the worker, prometheus (and grafana if its image is there); it
-   waits until every service is healthy (timed) and checks, from the
-   containers' own health logs, that each `depends_on` condition held when
-   the dependent started.
+4. `compose build` of turbomq:cpu (timed); `compose up -d` of redis, both
+   brokers, N workers (`--scale worker=N`, 2 by default) and prometheus (and
+   grafana if its image is there), published on free host ports through the
+   compose file's own port settings; it waits until every service is healthy
+   (timed) and checks, from the containers' own health logs, that each
+   `depends_on` condition held when the dependent started.
 5. Through the published ports, with turbomq.clients and the CurveZMQ keys the
    `keys` service made (taken out with `compose run --rm keys cat ...`, as
-   docs/operations.md says): `health` on both brokers, generations through
-   each, one streamed, and a two-turn session whose second turn must be
-   served from the resident KV with its tokens in Redis.
+   docs/operations.md says): `health` on both brokers (each counting every
+   worker), no answer to a plain client nor to an unknown key, generations
+   through each broker, one streamed, and a two-turn session whose second
+   turn must be served from the resident KV with its tokens in Redis.
 6. Prometheus: every target of /api/v1/targets `up` (both brokers, every
    worker replica), the alert rules loaded, the brokers' request counters
-   scraped.
-7. The CUDA image cannot be built here (nvidia/cuda is out of reach): its
-   Dockerfile is built up to its first FROM, which proves the file parses
-   and its base image names expand.
-8. `compose down -v`; dockerd is stopped if this script started it.
+   scraped. Then `compose down -v`, which must leave no container or volume.
+7. The CUDA image: nvidia/cuda is out of reach, so docker/Dockerfile.cuda is
+   built up to its first FROM (the file parses, the build stops pulling the
+   base); then, where a CUDA toolkit is installed, built whole on stand-ins
+   of its bases (Debian + that toolkit: nvidia/cuda:<version>-*-standin),
+   and the image must import its kernels.
+8. dockerd is stopped if this script started it.
 
-Writes docs/benchmarks/compose.md and docs/benchmarks/compose.json.
+Writes docs/benchmarks/compose.md and docs/benchmarks/compose.json; each
+step's log goes to the work folder (--work, /var/tmp/turbomq-compose-test).
 """
 
 from __future__ import annotations
@@ -48,11 +53,11 @@ import os
 import platform
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.parse
 import urllib.request
@@ -151,6 +156,10 @@ def stop_engine(proc: subprocess.Popen) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(10)
+    # dockerd leaves its default network namespace mounted: ours only.
+    netns = OWN_EXEC_ROOT / "exec" / "netns" / "default"
+    if os.path.ismount(netns) or netns.exists():
+        subprocess.run(["umount", str(netns)], capture_output=True)
     log(f"stopped dockerd (pid {proc.pid})")
 
 
@@ -569,7 +578,7 @@ def cuda_toolkit() -> tuple[Path, str] | None:
     return None
 
 
-def cuda_standin_build(work: Path, index: str, no_cache: bool) -> dict:
+def cuda_standin_build(work: Path, index: str, no_cache: bool, mirror: str) -> dict:
     """docker/Dockerfile.cuda built whole on stand-ins of its nvidia/cuda bases
     (Debian + this machine's CUDA toolkit): apt, venv, the kernels compiled by
     nvcc into turbomq._native, the wheel, the runtime stage (torch from the
@@ -587,7 +596,7 @@ def cuda_standin_build(work: Path, index: str, no_cache: bool) -> dict:
     for kind, context in (("devel", toolkit), ("runtime", runtime)):
         name = f"nvidia/cuda:{version}-{kind}-standin"
         if not image_exists(name):
-            debian_base(work, "http://deb.debian.org/debian")
+            debian_base(work, mirror)
             run(["docker", "build", "-f", str(STANDINS / f"cuda-{kind}.Dockerfile"), "-t", name,
                  "--build-arg", f"BASE={DEBIAN_BASE}", "--label", f"{STANDIN_LABEL}=true",
                  str(context)], logfile=work / "cuda.log", timeout=1800)
@@ -633,6 +642,10 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     for stale in ("build.log", "bases.log", "cuda.log", "up.log", "pip.log"):
         (work / stale).unlink(missing_ok=True)
+    def interrupted(signum, frame):  # SIGTERM cleans up like Ctrl-C
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupted)
     results: dict = {"machine": f"{platform.machine()}, {os.cpu_count()} CPUs"}
     cleanup: list = []
     failure = None
@@ -684,6 +697,7 @@ def main() -> int:
         build = [*compose, "build", "--build-arg", f"TORCH_INDEX_URL={index}"]
         if args.no_cache:
             build.append("--no-cache")
+        results["load_before_build"] = round(os.getloadavg()[0], 1)
         t = time.monotonic()
         run([*build, "keys"], logfile=work / "build.log", timeout=3600)
         results["build_s"] = round(time.monotonic() - t, 1)
@@ -709,7 +723,6 @@ def main() -> int:
         keydir = Path(tempfile.mkdtemp(prefix="keys-", dir=work))
         cleanup.append(lambda: shutil.rmtree(keydir, ignore_errors=True))
         secret, broker_key = keys_out(compose, keydir)
-        sys.path.insert(0, str(ROOT))
         results["requests"] = requests_check(compose, secret, broker_key, ports, args.requests,
                                              args.workers)
 
@@ -734,7 +747,8 @@ def main() -> int:
         log(f"CUDA image: {results['cuda']['result']}")
         results["cuda_standin"] = {"built": None, "result": "skipped (--no-cuda-standin)"}
         if args.cuda_standin:
-            results["cuda_standin"] = cuda_standin_build(work, index, args.no_cache)
+            results["cuda_standin"] = cuda_standin_build(work, index, args.no_cache,
+                                                         args.debian_mirror)
             log(f"CUDA image on stand-ins: {results['cuda_standin']['result']}")
     except (Failed, subprocess.TimeoutExpired) as e:
         failure = str(e)
@@ -799,6 +813,8 @@ def write_docs(r: dict) -> None:
     built_bases = [n for n, how in r["bases"].items() if how == "stand-in"]
     bases_line = (f"| base images: stand-ins built ({', '.join(built_bases)}) | {r['bases_s']} s |\n"
                   if built_bases else "")
+    services = ", ".join(f"{n} x{r['workers']}" if n == "worker" and r["workers"] > 1 else n
+                         for n in r["services"])
     cuda = r["cuda_standin"]
     cuda_line = (f"| CUDA image on stand-in bases (kernels compiled for sm_90a) | {cuda['build_s']} s |\n"
                  if cuda.get("built") else "")
@@ -808,13 +824,13 @@ def write_docs(r: dict) -> None:
 docs/operations.md, "Testing the stack"): builds turbomq:cpu, starts the compose stack
 with {r['workers']} CPU workers (`--scale worker={r['workers']}`), sends requests through
 the published ports with `turbomq.clients` over CurveZMQ, checks Prometheus, then
-`docker compose down -v`. On {r['machine']}, Docker engine {r['engine']}, docker-compose
-{r['compose']}.
+`docker compose down -v`. On {r['machine']} (shared: load average {r['load_before_build']}
+when the build started), Docker engine {r['engine']}, docker-compose {r['compose']}.
 
 | figure | value |
 | --- | --- |
 {bases_line}| image build, `compose build` of turbomq:cpu ({build}) | {r['build_s']} s ({r['image_mb']} MiB) |
-| `up -d` to every service healthy ({', '.join(r['services'])}) | {r['healthy_s']} s |
+| `up -d` to every service healthy ({services}) | {r['healthy_s']} s |
 | requests answered (`health` on both brokers; generations over both, one streamed; a two-turn session) | {req['ok']} of {req['sent']} |
 | session turn 2: prompt tokens, of them from resident KV; token IDs in Redis | {s['second']['prompt_tokens']}, {s['second']['cached_tokens']}; {s['redis_tokens']} |
 | clients without an allowed key (plain; a key on no allow-list) answered | none ({', '.join(req['refused'])}: no answer) |

@@ -121,5 +121,15 @@ chaos: setup sysdeps
 fuzz: setup sysdeps
 	OMP_NUM_THREADS=1 $(PY) benchmarks/fuzz.py $(FUZZ_ARGS)
 
+# `docker compose up`, built and run for real (not part of `make test`: it
+# needs a Docker engine, or root to start one, and several minutes): builds
+# the images (stand-in base images where no registry answers), starts the
+# stack, sends requests through it with the client, checks every Prometheus
+# target, then `down -v`; writes docs/benchmarks/compose.md (docs/operations.md).
+# COMPOSE_TEST_ARGS=--no-cache builds from scratch.
+.PHONY: compose-test
+compose-test: setup sysdeps
+	$(PY) benchmarks/compose_test.py $(COMPOSE_TEST_ARGS)
+
 clean:
 	rm -rf build $(VENV) $(DEMO_MODEL) .models

@@ -417,6 +417,97 @@ def test_dockerignore_keeps_sources():
         assert heavy in ignored
 
 
+# What `docker build` would take from each Dockerfile, checked without an
+# engine: the CUDA image cannot be built where CI runs (nor where
+# `make compose-test` runs: no nvidia/cuda image), so its mistakes must show here.
+INSTRUCTIONS = {"FROM", "RUN", "CMD", "LABEL", "EXPOSE", "ENV", "ADD", "COPY", "ENTRYPOINT",
+                "VOLUME", "USER", "WORKDIR", "ARG", "ONBUILD", "STOPSIGNAL", "HEALTHCHECK", "SHELL"}
+BASE_ENV = {"PATH", "HOME", "HOSTNAME"}  # what Docker or every base image sets
+
+
+def dockerfile_instructions(path: Path) -> list[tuple[int, str, str]]:
+    """(line, INSTRUCTION, arguments): continuations joined, comments dropped."""
+    out, buf, start = [], "", 0
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if line.lstrip().startswith("#") or (not buf and not line.strip()):
+            continue
+        assert not re.search(r"\\\s+$", line), f"{path.name}:{n}: blanks after a line continuation"
+        if not buf:
+            start = n
+        if line.endswith("\\"):
+            buf += line[:-1] + " "
+            continue
+        word, _, rest = (buf + line).strip().partition(" ")
+        out.append((start, word, rest.strip()))
+        buf = ""
+    assert not buf, f"{path.name} ends inside a line continuation"
+    return out
+
+
+def test_dockerfiles_lint():
+    """Instructions known and upper case; an ARG before the first FROM is used
+    only in FROM lines (Docker hides it inside the stages); every upper-case
+    variable a stage uses is declared in that stage (ARG, ENV) or set by the
+    base; COPY --from names an earlier stage; every RUN is valid sh; CMD and
+    ENTRYPOINT are exec-form JSON."""
+    for path in dockerfiles():
+        global_args: dict[str, str] = {}
+        stages: list[str] = []
+        declared: set[str] | None = None  # in the current stage
+        for n, word, rest in dockerfile_instructions(path):
+            where = f"{path.name}:{n}"
+            assert word in INSTRUCTIONS, f"{where}: {word} is no Dockerfile instruction (or not upper case)"
+            used = {v for v in re.findall(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)", rest) if v.isupper()}
+            if word == "FROM":
+                image, *alias = rest.split()
+                assert alias == [] or (len(alias) == 2 and alias[0] == "AS"), f"{where}: FROM {rest}"
+                for v in used:
+                    assert global_args.get(v), f"{where}: FROM uses ${v}: no ARG before the first FROM sets it"
+                stages.append(alias[1] if alias else "")
+                declared = set(BASE_ENV)
+                continue
+            if declared is None:
+                assert word == "ARG", f"{where}: only ARG comes before the first FROM"
+                name, _, default = rest.partition("=")
+                global_args[name] = default
+                continue
+            missing = used - declared
+            assert not missing, (f"{where}: {word} uses {sorted(missing)}, not declared in this stage "
+                                 "(an ARG before the first FROM is seen by FROM lines only)")
+            if word == "ARG":
+                declared.add(rest.partition("=")[0])
+            elif word == "ENV":
+                declared.update(re.findall(r"(?:^|\s)([A-Za-z_][A-Za-z0-9_]*)=", rest))
+            elif word == "COPY" and rest.startswith("--from="):
+                source = rest.split()[0].split("=", 1)[1]
+                assert source in stages[:-1], f"{where}: COPY --from={source} names no earlier stage"
+            elif word == "RUN":
+                assert not rest.startswith("["), f"{where}: RUN in exec form"
+                check = subprocess.run(["sh", "-n", "-c", rest], capture_output=True, text=True)
+                assert check.returncode == 0, f"{where}: RUN is not valid sh: {check.stderr}"
+            elif word in ("CMD", "ENTRYPOINT"):
+                argv = json.loads(rest)
+                assert isinstance(argv, list) and all(isinstance(a, str) for a in argv), where
+        assert len(stages) >= 2 and stages[0], f"{path.name}: a named build stage, then the image"
+
+
+def test_compose_test_override_changes_only_the_build_network():
+    """`make compose-test` adds docker/compose-test.yml to the compose file:
+    the build of turbomq:cpu on the host's network, nothing else."""
+    plain = resolved()
+    out = subprocess.run([docker_compose(), "--project-directory", str(ROOT), "-f", str(COMPOSE),
+                          "-f", str(ROOT / "docker" / "compose-test.yml"), "--profile", "gpu",
+                          "config"], capture_output=True, text=True, timeout=60,
+                         env={k: v for k, v in os.environ.items() if k not in COMPOSE_VARS})
+    assert out.returncode == 0, out.stderr
+    tested = yaml.safe_load(out.stdout)["services"]
+    assert tested["keys"]["build"].pop("network") == "host"
+    for services in (plain, tested):  # merging files may reorder a service's volumes
+        for svc in services.values():
+            svc["volumes"] = sorted(map(str, svc.get("volumes", [])))
+    assert tested == plain
+
+
 def test_entrypoint_writes_the_demo_model_only_when_named(tmp_path):
     entrypoint = ROOT / "docker" / "entrypoint.sh"
     assert os.access(entrypoint, os.X_OK)

@@ -141,3 +141,24 @@ def test_close_gives_every_byte_back_and_a_second_engine_starts(tmp_path):
         torch.cuda.synchronize()
         assert torch.cuda.memory_allocated() == before, "the closed engine still holds memory"
     assert runs[0] == runs[1]
+
+
+def test_host_tier_and_prefix_cache_on_cuda_give_the_cpu_tokens(tmp_path):
+    """Named blocks spilled to pinned host memory and loaded back (async
+    copies on the step's stream) under pressure: the same greedy tokens as a
+    CPU engine without any cache (fp32, so the reference ops agree)."""
+    path = tiny_model(tmp_path, head_dim=64, kv_heads=2)
+    rng = random.Random(5)
+    prefixes = [[rng.randrange(3, 512) for _ in range(48)] for _ in range(4)]
+    work = [rng.choice(prefixes)[:rng.randint(16, 48)] + [rng.randrange(3, 512) for _ in range(8)]
+            for _ in range(40)]
+    params = SamplingParams(max_tokens=8, **GREEDY)
+    cuda = Engine(EngineConfig(model=path, device="cuda", dtype="fp32", block_size=16,
+                               num_kv_blocks=10, host_kv_blocks=32))
+    got = [cuda.generate(input_ids=[p], params=params)[0].token_ids for p in work]
+    stats = cuda.stats()
+    cpu = Engine(EngineConfig(model=path, block_size=16, prefix_caching=False))
+    want = [cpu.generate(input_ids=[p], params=params)[0].token_ids for p in work]
+    assert got == want
+    assert stats["host_tier_loaded_blocks"] > 0 and stats["host_tier_stored_blocks"] > 0
+    cuda.kv_manager.check()

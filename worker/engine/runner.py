@@ -132,41 +132,45 @@ class ModelRunner:
         return min(available // 4 // per_block, 4 * self.kv_cache.num_blocks)
 
     def allocate_host_kv(self, num_blocks: int) -> None:
-        """Host memory for `num_blocks` blocks (pinned on CUDA, so copies
-        run at full PCIe speed), laid out like the pool."""
+        """Host memory for `num_blocks` blocks, one contiguous slot per block
+        (all layers, K and V), pinned on CUDA: each copy is then one
+        asynchronous DMA at full PCIe speed."""
         kv, pin = self.kv_cache, self.device.type == "cuda"
-        shape = list(kv.data.shape)
-        shape[2] = num_blocks
-        self.host_kv = torch.empty(shape, dtype=kv.data.dtype, pin_memory=pin)
-        self.host_scales = None
-        if kv.scales is not None:
-            sshape = list(kv.scales.shape)
-            sshape[2] = num_blocks
-            self.host_scales = torch.empty(sshape, dtype=kv.scales.dtype, pin_memory=pin)
+
+        def slots_like(pool: torch.Tensor) -> torch.Tensor:
+            shape = (num_blocks, pool.shape[0], pool.shape[1], *pool.shape[3:])
+            return torch.empty(shape, dtype=pool.dtype, pin_memory=pin)
+
+        self.host_kv = slots_like(kv.data)
+        self.host_scales = slots_like(kv.scales) if kv.scales is not None else None
         log.info("host KV tier: %d blocks (%.2f GiB%s)", num_blocks,
                  self.host_kv.nbytes / 2**30, ", pinned" if pin else "")
 
     def move_blocks(self, spills: Sequence[tuple[int, int]],
                     loads: Sequence[tuple[int, int]]) -> int:
         """Copy (GPU block, host slot) pairs out, then (host slot, GPU block)
-        pairs in, on the step's stream, before the forward that reads them.
+        pairs in, queued on the step's stream ahead of the forward that
+        reads or overwrites those blocks (so nothing waits on the host).
         Returns the bytes moved."""
-        moved = 0
-        kv = self.kv_cache
-        for pairs, out in ((spills, True), (loads, False)):
-            if not pairs:
-                continue
-            src, dst = zip(*pairs)
-            blocks = torch.tensor(src if out else dst, dtype=torch.long, device=self.device)
-            slots = torch.tensor(dst if out else src, dtype=torch.long)
-            for pool, host in ((kv.data, self.host_kv), (kv.scales, self.host_scales)):
-                if pool is None:
-                    continue
-                if out:
-                    host[:, :, slots] = pool.index_select(2, blocks).cpu()
-                else:
-                    pool[:, :, blocks] = host[:, :, slots].to(self.device, non_blocking=True)
-                moved += host[:, :, slots[:1]].nbytes * len(pairs)
+        kv, moved = self.kv_cache, 0
+        planes = [(kv.data, self.host_kv)]
+        if kv.scales is not None:
+            planes.append((kv.scales, self.host_scales))
+        for pool, host in planes:
+            if spills:
+                blocks = torch.tensor([b for b, _ in spills], dtype=torch.long, device=self.device)
+                staged = pool.index_select(2, blocks).movedim(2, 0).contiguous()
+                for i, (_, slot) in enumerate(spills):
+                    host[slot].copy_(staged[i], non_blocking=True)
+                moved += staged.nbytes
+            if loads:
+                staged = torch.empty((len(loads), *host.shape[1:]), dtype=host.dtype,
+                                     device=self.device)
+                for i, (slot, _) in enumerate(loads):
+                    staged[i].copy_(host[slot], non_blocking=True)
+                blocks = torch.tensor([b for _, b in loads], dtype=torch.long, device=self.device)
+                pool[:, :, blocks] = staged.movedim(0, 2)
+                moved += staged.nbytes
         return moved
 
     def release_graphs(self) -> None:

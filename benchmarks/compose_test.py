@@ -76,7 +76,7 @@ OWN_EXEC_ROOT = Path("/run/turbomq-docker")
 OWN_SOCKET = OWN_EXEC_ROOT / "docker.sock"
 INDEX_PORT = 47401  # the local torch index, on 127.0.0.1
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-STACK = ["redis", "broker", "broker-b", "worker", "prometheus"]
+STACK = ["redis", "broker", "broker-b", "worker", "gateway", "prometheus"]
 T0 = time.monotonic()
 
 
@@ -419,6 +419,34 @@ def keys_out(compose: list[str], dest: Path) -> tuple[Path, Path]:
     return paths[0], paths[1]
 
 
+def gateway_check(compose: list[str], port: int) -> dict:
+    """One chat completion through the published gateway port, authenticated
+    with the API key the `keys` service wrote; and one without a key (401)."""
+    import urllib.error
+    import urllib.request
+
+    line = run([*compose, "run", "--rm", "--no-deps", "-T", "keys", "cat", "/keys/api.keys"],
+               quiet=True).stdout
+    key = next(l.split()[1] for l in line.splitlines() if l.strip() and not l.startswith("#"))
+    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    body = json.dumps({"model": "demo-model", "max_tokens": 8, "temperature": 0,
+                       "messages": [{"role": "user", "content": "Hello"}]}).encode()
+
+    def post(headers: dict) -> tuple[int, dict]:
+        req = urllib.request.Request(url, body, {"Content-Type": "application/json", **headers})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read() or b"{}")
+
+    status, reply = post({"Authorization": f"Bearer {key}"})
+    no_key, _ = post({})
+    return {"status": status, "completion_tokens": reply.get("usage", {}).get("completion_tokens"),
+            "finish_reason": (reply.get("choices") or [{}])[0].get("finish_reason"),
+            "without_key": no_key}
+
+
 def redis_stored_tokens(compose: list[str], session_key: str) -> int:
     """How many token IDs Redis holds for a session (4-byte IDs)."""
     script = ('redis-cli --user turbomq --pass "$(cat /keys/redis.password)" --no-auth-warning '
@@ -660,7 +688,8 @@ def main() -> int:
         results["compose"] = run([*compose, "version", "--short"], quiet=True).stdout.strip()
         # Host ports through the compose file's own settings: free ones, so that
         # a service already on this machine (5555, 9090, ...) is no obstacle.
-        for var in ("BROKER_PORT", "BROKER_B_PORT", "PROMETHEUS_PORT", "GRAFANA_PORT"):
+        for var in ("BROKER_PORT", "BROKER_B_PORT", "GATEWAY_PORT", "PROMETHEUS_PORT",
+                    "GRAFANA_PORT"):
             os.environ.setdefault(var, str(free_port()))
         import yaml
         config = yaml.safe_load(run([*compose, "config"], quiet=True).stdout)["services"]
@@ -725,6 +754,12 @@ def main() -> int:
         secret, broker_key = keys_out(compose, keydir)
         results["requests"] = requests_check(compose, secret, broker_key, ports, args.requests,
                                              args.workers)
+
+        # The OpenAI API through the gateway, with the API key the stack made.
+        gw = config["gateway"]["ports"][0]
+        gw_port = int(gw["published"]) if isinstance(gw, dict) else int(str(gw).split(":")[-2])
+        results["gateway"] = gateway_check(compose, gw_port)
+        log(f"  gateway: {results['gateway']}")
 
         # Prometheus.
         prom = config["prometheus"]["ports"][0]
@@ -793,6 +828,8 @@ def verdict(r: dict) -> dict[str, bool]:
         "every request answered": bool(req) and req["ok"] == req["sent"],
         "second session turn served from resident KV, tokens in Redis":
             bool(req) and req["session"]["second_turn_served"],
+        "the OpenAI API answers through the gateway (401 without a key)":
+            r.get("gateway", {}).get("status") == 200 and r["gateway"].get("without_key") == 401,
         "every Prometheus target up": bool(prom.get("all_up")),
         "down -v leaves nothing": bool(r.get("down_clean")),
         "CUDA Dockerfile parses up to its base image":
@@ -834,6 +871,7 @@ when the build started), Docker engine {r['engine']}, docker-compose {r['compose
 | requests answered (`health` on both brokers; generations over both, one streamed; a two-turn session) | {req['ok']} of {req['sent']} |
 | session turn 2: prompt tokens, of them from resident KV; token IDs in Redis | {s['second']['prompt_tokens']}, {s['second']['cached_tokens']}; {s['redis_tokens']} |
 | clients without an allowed key (plain; a key on no allow-list) answered | none ({', '.join(req['refused'])}: no answer) |
+| gateway: `POST /v1/chat/completions` with the generated API key; without a key | {r['gateway']['status']} ({r['gateway']['completion_tokens']} tokens, {r['gateway']['finish_reason']}); {r['gateway']['without_key']} |
 | Prometheus targets up | {prom['up']} of {prom['targets']} |
 | alert rules loaded; brokers' completed requests scraped | {prom['alert_rules']}; {prom['broker_completed_requests']} |
 {cuda_line}

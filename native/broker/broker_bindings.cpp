@@ -145,6 +145,9 @@ void bind_broker(py::module_& parent) {
       .def_readwrite("tenant_max_inflight", &BrokerSettings::tenant_max_inflight)
       .def_readwrite("tenant_tokens_per_s", &BrokerSettings::tenant_tokens_per_s)
       .def_readwrite("tenant_token_burst_s", &BrokerSettings::tenant_token_burst_s)
+      .def_readwrite("prefix_routing", &BrokerSettings::prefix_routing)
+      .def_readwrite("prefix_bytes", &BrokerSettings::prefix_bytes)
+      .def_readwrite("prefix_balance", &BrokerSettings::prefix_balance)
       .def_readwrite("limits", &BrokerSettings::limits)
       .def_readwrite("retryable_codes", &BrokerSettings::retryable_codes);
 
@@ -186,6 +189,27 @@ void bind_broker(py::module_& parent) {
     broker::WorkerMessage w;
     return broker::read_worker_message(doc, w) ? worker_fields(w) : py::object(py::none());
   }, py::arg("side"), py::arg("frame"), py::arg("limits"), py::arg("fast_only") = true);
+
+  // Prefix routing's two steps, as the data plane runs them (for tests).
+  m.def("prefix_key", [](py::bytes frame, const std::string& tenant, int64_t prefix_bytes) {
+    std::string bytes = frame;
+    msgpack::Document doc;
+    broker::ClientRequest r;
+    if (!doc.parse(bytes.data(), bytes.size()) || !broker::read_client_request(doc, r) ||
+        r.kind != "generate")
+      return py::object(py::none());
+    return py::object(py::int_(broker::prefix_key(doc, r, tenant, prefix_bytes)));
+  }, py::arg("frame"), py::arg("tenant"), py::arg("prefix_bytes"),
+     "The routing key of a generate frame (None if it is not one).");
+  m.def("rendezvous_pick", [](uint64_t key, const std::vector<std::tuple<std::string, int64_t, int64_t>>& workers,
+                              double balance) {
+    std::vector<broker::RouteCandidate> candidates;
+    for (const auto& [worker_id, slots, inflight] : workers)
+      candidates.push_back({broker::hash_bytes(worker_id, broker::kWorkerIdSeed), slots, inflight});
+    broker::RouteChoice c = broker::rendezvous_pick(key, candidates, balance);
+    return py::make_tuple(c.index, c.preferred_index);
+  }, py::arg("key"), py::arg("workers"), py::arg("balance"),
+     "(chosen, first choice) indices into workers = [(worker_id, slots, inflight)]; chosen -1: all full.");
 }
 
 }  // namespace turbomq

@@ -50,7 +50,7 @@ struct BrokerSettings {
   double tenant_tokens_per_s = 0.0;  // generated tokens, a bucket of this rate ...
   double tenant_token_burst_s = 10.0;  // ... holding this many seconds of it
   // Cache-aware routing of requests without a session (docs/broker.md,
-  // "Prefix routing"): a key from the leading prompt_bytes of the request,
+  // "Prefix routing"): a key from the leading prefix_bytes of the request,
   // weighted rendezvous hashing over the workers, a load bound of
   // (1 + prefix_balance) times a worker's share. Off: the most free slots.
   bool prefix_routing = true;

@@ -5,6 +5,9 @@
 
 #include <zmq.h>
 
+#include <chrono>
+#include <stdexcept>
+
 #include "broker_core.h"
 
 namespace py = pybind11;
@@ -210,6 +213,30 @@ void bind_broker(py::module_& parent) {
     return py::make_tuple(c.index, c.preferred_index);
   }, py::arg("key"), py::arg("workers"), py::arg("balance"),
      "(chosen, first choice) indices into workers = [(worker_id, slots, inflight)]; chosen -1: all full.");
+  m.def("prefix_routing_ns", [](py::bytes frame, const std::string& tenant, int64_t prefix_bytes,
+                                int workers, int64_t iterations) {
+    std::string bytes = frame;
+    msgpack::Document doc;
+    broker::ClientRequest r;
+    if (!doc.parse(bytes.data(), bytes.size()) || !broker::read_client_request(doc, r) ||
+        r.kind != "generate" || workers < 1 || iterations < 1)
+      throw std::invalid_argument("a generate frame, workers >= 1 and iterations >= 1");
+    std::vector<broker::RouteCandidate> candidates;
+    for (int i = 0; i < workers; ++i)
+      candidates.push_back({broker::hash_bytes("worker-" + std::to_string(i), broker::kWorkerIdSeed),
+                            8, i % 8});
+    volatile int64_t sink = 0;  // keeps the loop's work
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int64_t i = 0; i < iterations; ++i) {
+      const uint64_t key = broker::prefix_key(doc, r, tenant, prefix_bytes);
+      sink = sink + broker::rendezvous_pick(key, candidates, 0.5).index;
+    }
+    const std::chrono::duration<double, std::nano> took = std::chrono::steady_clock::now() - t0;
+    return took.count() / static_cast<double>(iterations);
+  }, py::arg("frame"), py::arg("tenant"), py::arg("prefix_bytes"), py::arg("workers"),
+     py::arg("iterations"),
+     "For benchmarks: nanoseconds per request of prefix routing's work (the key of this "
+     "generate frame and the pick among `workers` workers), run in C++.");
 }
 
 }  // namespace turbomq

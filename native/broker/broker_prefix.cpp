@@ -103,9 +103,11 @@ uint64_t prefix_key(const msgpack::Document& doc, const ClientRequest& req, std:
 
 RouteChoice rendezvous_pick(uint64_t key, const std::vector<RouteCandidate>& workers, double balance) {
   double total_slots = 0.0, total_inflight = 0.0;
+  bool uniform = true;  // equal weights: the order of u is the order of the scores
   for (const RouteCandidate& w : workers) {
     total_slots += static_cast<double>(w.slots);
     total_inflight += static_cast<double>(w.inflight);
+    uniform = uniform && w.slots == workers.front().slots;
   }
   // inflight < (1 + balance) * (total + 1) * slots / total_slots, without the division.
   const double bound = (1.0 + balance) * (total_inflight + 1.0);
@@ -118,7 +120,8 @@ RouteChoice rendezvous_pick(uint64_t key, const std::vector<RouteCandidate>& wor
     // keys is its share of the weights, and removing one moves only its keys.
     const uint64_t x = mix64(key ^ mix64(w.id_hash));
     const double u = (static_cast<double>(x >> 11) + 0.5) * 0x1.0p-53;
-    const double score = static_cast<double>(std::max<int64_t>(w.slots, 1)) / -std::log(u);
+    const double score =
+        uniform ? u : static_cast<double>(std::max<int64_t>(w.slots, 1)) / -std::log(u);
     if (out.preferred_index < 0 || score > best) {
       best = score;
       out.preferred_index = static_cast<int>(i);

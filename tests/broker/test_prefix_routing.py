@@ -9,14 +9,19 @@ from __future__ import annotations
 
 import random
 import time
+import urllib.request
 
 import msgpack
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from turbomq import _native
+from turbomq.broker.config import BrokerConfig
+from turbomq.broker.main import build_parser, config_from_args
 from turbomq.clients import Client
 
 from _service_helpers import Service
+from test_broker import client_for, service  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -143,36 +148,6 @@ def test_pick_is_the_first_worker_in_order_within_the_load_bound():
 
 
 # ------------------------------------------------ through a real broker
-@pytest.fixture
-def service(tmp_path):
-    services = []
-
-    def start(**broker_flags) -> Service:
-        folder = tmp_path / f"svc{len(services)}"
-        folder.mkdir()
-        s = Service(folder, **broker_flags)
-        services.append(s)
-        return s
-
-    yield start
-    for s in services:
-        s.close()
-
-
-@pytest.fixture
-def client_for():
-    clients = []
-
-    def make(svc: Service, **kw) -> Client:
-        c = Client(svc.front, timeout=kw.pop("timeout", 10.0), ping_interval=0.1, **kw)
-        clients.append(c)
-        return c
-
-    yield make
-    for c in clients:
-        c.close()
-
-
 def start(service, client_for, workers: dict, delay: float = 0.0, **flags):
     """A broker with echo workers {worker_id: slots}, all registered, and a client."""
     svc = service(**flags)
@@ -314,3 +289,39 @@ def test_prefix_routing_off_counts_stateless(service, client_for):
     for _ in range(4):
         served_by(svc, c, prompt=SYSTEM)
     assert c.stats()["routing"] == {"stateless": 4}
+
+
+def test_routing_decisions_reach_the_metrics(service, client_for):
+    svc, c = start(service, client_for, {"w1": 1, "w2": 1}, delay=0.02, **{"metrics-port": 0})
+    running = c.generate(prompt=SYSTEM, max_tokens=400, stream=True)
+    next(running)  # the prompt's first choice is full now ...
+    served_by(svc, c, prompt=SYSTEM)  # ... so this one goes to the other: stateless
+    running.close()
+    with c.session("s1", max_tokens=2) as s:
+        s.send("hello")
+    want = {"prefix": 1, "stateless": 1, "new": 1, "affinity": 0, "moved": 0}
+
+    def decisions() -> dict:
+        url = f"http://127.0.0.1:{svc.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as r:
+            text = r.read().decode()
+        return {s.labels["decision"]: s.value for f in text_string_to_metric_families(text)
+                for s in f.samples if s.name == "turbomq_broker_routing_decisions_total"}
+
+    deadline = time.monotonic() + 10
+    while decisions() != want and time.monotonic() < deadline:
+        time.sleep(0.1)  # copied into the metrics once per tick
+    assert decisions() == want
+
+
+def test_prefix_routing_flags():
+    config = config_from_args(build_parser().parse_args(
+        ["--prefix-routing", "off", "--prefix-bytes", "512", "--prefix-balance", "0.25"]))
+    assert (config.prefix_routing, config.prefix_bytes, config.prefix_balance) == (False, 512, 0.25)
+    default = config_from_args(build_parser().parse_args([]))
+    assert (default.prefix_routing, default.prefix_bytes, default.prefix_balance) == (True, 256, 0.5)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--prefix-routing", "maybe"])
+    for bad in ({"prefix_bytes": 0}, {"prefix_balance": -0.1}):
+        with pytest.raises(ValueError):
+            BrokerConfig(**bad)

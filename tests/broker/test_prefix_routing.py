@@ -92,6 +92,20 @@ def test_key_of_a_conversation_stays_with_its_first_messages():
                                                           prefix_bytes=8)
 
 
+def test_keys_and_picks_are_pinned():
+    """The same request goes to the same worker on every broker, whatever the
+    machine or version: an active-active pair (or one being upgraded) agrees
+    only while these stay. Changing them moves every key once; say so in the
+    release notes."""
+    assert key(prompt="hello") == 4338643051740853510
+    assert key("acme", input_ids=[1, 2, 3]) == 4268562700744914434
+    assert key(messages=[{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]) \
+        == 13854241462342358985
+    k = key(prompt="hello")
+    assert B.rendezvous_pick(k, [("w0", 4, 0), ("w1", 4, 0), ("w2", 4, 0)], 0.5) == (0, 0)
+    assert B.rendezvous_pick(k, [("w0", 2, 0), ("w1", 4, 0), ("w2", 8, 0)], 0.5) == (2, 2)
+
+
 # ----------------------------------------------------------- rendezvous
 WORKERS4 = [("w0", 4), ("w1", 4), ("w2", 4), ("w3", 4)]
 

@@ -54,10 +54,17 @@ def percentile(xs: list, q: float) -> float:
     return xs[min(len(xs) - 1, int(round(q / 100.0 * (len(xs) - 1))))]
 
 
-def spawn_worker(endpoint: str, slots: int, keys: Optional[dict] = None) -> subprocess.Popen:
+def spawn_worker(endpoint: str, slots: int, keys: Optional[dict] = None,
+                 worker_id: str = "bench") -> subprocess.Popen:
     curve = ["--curve-secret", keys["worker_secret"], "--broker-key", keys["broker_key"]] if keys else []
     return subprocess.Popen([PY, "-m", "turbomq.broker.echo_worker", "--broker", endpoint,
-                             "--slots", str(slots), "--worker-id", "bench", *curve])
+                             "--slots", str(slots), "--worker-id", worker_id, *curve])
+
+
+# The prefix-routing pair's prompt: longer than the routing key's 256 bytes,
+# so the key hashes all it may.
+PREFIX_PROMPT = ("You are the harbour master's assistant. Answer questions about tides, berths "
+                 "and pilotage in the bay, briefly, and never guess a tide time. ") * 3
 
 
 def curve_keys(folder: str) -> dict:
@@ -100,12 +107,13 @@ class Endpoints:
             os.rmdir(self._dir)
 
 
-def spawn_broker(eps: Endpoints, spin_us: float, keys: Optional[dict] = None) -> tuple:
+def spawn_broker(eps: Endpoints, spin_us: float, keys: Optional[dict] = None,
+                 flags: tuple = ()) -> tuple:
     curve = (["--curve-secret", keys["broker_secret"], "--client-keys", keys["clients_allow"],
               "--worker-keys", keys["workers_allow"]] if keys else [])
     proc = subprocess.Popen([PY, "-m", "turbomq.broker", "--front", eps.new(),
                              "--back", eps.new(), "--log-level", "WARNING",
-                             "--queue-bound", "100000", "--spin-us", str(spin_us), *curve],
+                             "--queue-bound", "100000", "--spin-us", str(spin_us), *curve, *flags],
                             stdout=subprocess.PIPE, text=True)
     ep = json.loads(proc.stdout.readline())
     return proc, ep["front"], ep["back"]
@@ -144,7 +152,9 @@ class DirectPath:
 
 
 class BrokeredPath:
-    def __init__(self, ctx: zmq.Context, front: str, curve: Optional[CurveClient] = None):
+    def __init__(self, ctx: zmq.Context, front: str, curve: Optional[CurveClient] = None,
+                 prompt: Optional[str] = None):
+        self.prompt = prompt  # None: input_ids [7, 8, 9], as the direct path sends
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         if curve is not None:
@@ -155,7 +165,8 @@ class BrokeredPath:
     def send(self, max_tokens: int, stream: bool) -> str:
         self.n += 1
         rid = f"b{self.n}"
-        self.sock.send(P.pack(P.generate(rid, input_ids=[7, 8, 9], params={"max_tokens": max_tokens},
+        inputs = {"prompt": self.prompt} if self.prompt else {"input_ids": [7, 8, 9]}
+        self.sock.send(P.pack(P.generate(rid, **inputs, params={"max_tokens": max_tokens},
                                          stream=stream)))
         return rid
 
@@ -295,6 +306,25 @@ def hop_floor(ctx: zmq.Context, n: int, eps: Endpoints) -> dict:
             "py_forwarder_added_p50_us": round(percentile(got["py_forwarder"], 50) - d, 1)}
 
 
+def routing_work() -> dict:
+    """Nanoseconds per request of prefix routing's own work (the key, the
+    pick), in C++ with no sockets: a prompt, token ids and a chat, each
+    longer than the key reads, over 4 and 16 workers."""
+    chat = [{"role": "system", "content": PREFIX_PROMPT},
+            {"role": "user", "content": PREFIX_PROMPT}, {"role": "assistant", "content": "Yes."},
+            {"role": "user", "content": "And then?"}]
+    frames = {"prompt": {"prompt": PREFIX_PROMPT}, "input_ids": {"input_ids": list(range(1000, 1300))},
+              "messages": {"messages": chat}}
+    out = {}
+    for name, inputs in frames.items():
+        frame = msgpack.packb({"v": 1, "kind": "generate", "request_id": "r", **inputs})
+        for workers in (4, 16):
+            best = min(_native.broker.prefix_routing_ns(frame, "tenant", 256, workers, 200_000)
+                       for _ in range(3))
+            out[f"{name}_{workers}_workers_ns"] = round(best, 1)
+    return out
+
+
 def summary(us: list) -> dict:
     return {"p50_us": round(percentile(us, 50), 1), "p90_us": round(percentile(us, 90), 1),
             "p99_us": round(percentile(us, 99), 1), "mean_us": round(statistics.fmean(us), 1),
@@ -310,35 +340,60 @@ def measure(ctx: zmq.Context, transport: str, args) -> dict:
     bworker = spawn_worker(back, slots=args.streams)
     cbroker, cfront, cback = spawn_broker(eps, args.spin_us, keys)  # CURVE on both sockets
     cworker = spawn_worker(cback, slots=args.streams, keys=keys)
+    # Prefix routing on and off: two brokers alike but for --prefix-routing,
+    # each with its echo worker, sent the same long prompt. (One worker each:
+    # several would outrun this one client on a small machine; what scoring
+    # more workers costs is in routing_work().)
+    pair = {}
+    for mode in ("on", "off"):
+        proc, pfront, pback = spawn_broker(eps, args.spin_us, flags=("--prefix-routing", mode))
+        pair[mode] = {"front": pfront, "procs": [proc, spawn_worker(pback, slots=args.streams)],
+                      "path": BrokeredPath(ctx, pfront, prompt=PREFIX_PROMPT)}
     direct = DirectPath(ctx, args.streams, eps)
     brokered = BrokeredPath(ctx, front)
     curved = BrokeredPath(ctx, cfront, keys["client"])
     try:
-        for f, curve in ((front, None), (cfront, keys["client"])):
+        for f, curve in ((front, None), (cfront, keys["client"]), (pair["on"]["front"], None),
+                         (pair["off"]["front"], None)):
             with Client(f, curve=curve) as c:
                 while c.health()["workers"] < 1:
                     time.sleep(0.05)
         # Interleave the paths so drift on the shared machine hits all alike.
         lat_direct, lat_brokered, lat_curve = [], [], []
-        for _ in range(ROUNDS):
+        lat_pair = {"on": [], "off": []}
+        for r in range(ROUNDS):
             lat_direct += latency(direct, args.requests // ROUNDS, warmup // ROUNDS)
             lat_brokered += latency(brokered, args.requests // ROUNDS, warmup // ROUNDS)
             lat_curve += latency(curved, args.requests // ROUNDS, warmup // ROUNDS)
+            for mode in ("on", "off") if r % 2 == 0 else ("off", "on"):  # neither always first
+                lat_pair[mode] += latency(pair[mode]["path"], args.requests // ROUNDS,
+                                          warmup // ROUNDS)
         lat_library = library_latency(front, args.requests // 4, warmup // 4)
         tp_direct, tp_brokered, tp_curve = [], [], []
-        for _ in range(args.repeats):
+        tp_pair = {"on": [], "off": []}
+        for r in range(args.repeats):
             tp_direct.append(throughput(direct, args.streams, args.tokens))
             tp_brokered.append(throughput(brokered, args.streams, args.tokens))
             tp_curve.append(throughput(curved, args.streams, args.tokens))
+            for mode in ("on", "off") if r % 2 == 0 else ("off", "on"):
+                tp_pair[mode].append(throughput(pair[mode]["path"], args.streams, args.tokens))
         with Client(front) as c:
             broker_stats = c.stats()
+        pair_routing = {}
+        for mode in ("on", "off"):
+            with Client(pair[mode]["front"]) as c:
+                pair_routing[mode] = c.stats()["routing"]
     finally:
         direct.close()
         brokered.close()
         curved.close()
-        for p in (broker, bworker, cbroker, cworker):
+        procs = [broker, bworker, cbroker, cworker]
+        for mode in pair:
+            pair[mode]["path"].close()
+            procs += pair[mode]["procs"]
+        for p in procs:
             p.terminate()
-        for p in (broker, bworker, cbroker, cworker):
+        for p in procs:
             p.wait(5)
     try:
         floor = hop_floor(ctx, args.requests // 2, eps)
@@ -349,6 +404,20 @@ def measure(ctx: zmq.Context, transport: str, args) -> dict:
     best_d = max(tp_direct, key=lambda r: r["messages_per_s"])
     best_b = max(tp_brokered, key=lambda r: r["messages_per_s"])
     best_c = max(tp_curve, key=lambda r: r["messages_per_s"])
+    on, off = summary(lat_pair["on"]), summary(lat_pair["off"])
+    best_on = max(tp_pair["on"], key=lambda r: r["messages_per_s"])
+    best_off = max(tp_pair["off"], key=lambda r: r["messages_per_s"])
+    prefix_pair = {
+        "prompt_chars": len(PREFIX_PROMPT),
+        "latency": {"on": on, "off": off, "on_minus_off_p50_us": round(on["p50_us"] - off["p50_us"], 1),
+                    "on_minus_off_p99_us": round(on["p99_us"] - off["p99_us"], 1)},
+        "throughput": {"on_messages_per_s": round(best_on["messages_per_s"]),
+                       "off_messages_per_s": round(best_off["messages_per_s"]),
+                       "on_vs_off": round(best_on["messages_per_s"] / best_off["messages_per_s"], 3),
+                       "runs_on": [round(r["messages_per_s"]) for r in tp_pair["on"]],
+                       "runs_off": [round(r["messages_per_s"]) for r in tp_pair["off"]]},
+        "routing": pair_routing,
+    }
     return {
         "transport": TRANSPORTS[transport],
         "latency": {"direct": d, "brokered": b, "brokered_curve": cv,
@@ -365,6 +434,7 @@ def measure(ctx: zmq.Context, transport: str, args) -> dict:
                        "runs_brokered": [round(r["messages_per_s"]) for r in tp_brokered],
                        "runs_brokered_curve": [round(r["messages_per_s"]) for r in tp_curve]},
         "hop_floor_c_proxy": floor,
+        "prefix_routing": prefix_pair,
         "broker_counters": {k: broker_stats[k] for k in ("messages_in", "messages_out",
                                                           "requests_by_outcome")},
     }
@@ -397,6 +467,7 @@ def main(argv=None) -> int:
     ctx = zmq.Context.instance()
     runs = {t: measure(ctx, t, args) for t in transports}
     head = runs[transports[0]]
+    work = routing_work()
     result = {
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                     "pyzmq": zmq.__version__, "libzmq": zmq.zmq_version(),
@@ -404,8 +475,10 @@ def main(argv=None) -> int:
                     "msgpack": ".".join(map(str, msgpack.version)),
                     "transport": head["transport"], "broker_spin_us": args.spin_us},
         # The headline transport's figures at the top level; every transport under "transports".
-        **{k: head[k] for k in ("latency", "throughput", "hop_floor_c_proxy", "broker_counters")},
+        **{k: head[k] for k in ("latency", "throughput", "hop_floor_c_proxy", "prefix_routing",
+                                "broker_counters")},
         "transports": runs,
+        "prefix_routing_work": work,
     }
     table = render(result)
     print(table)
@@ -439,6 +512,17 @@ def render(r: dict) -> str:
             f"**{lat['added_p99_us']}** | |",
             f"| {name} | **added by the broker, CURVE** | **{lat['curve_added_p50_us']}** | | | |",
         ]
+        pr = t["prefix_routing"]
+        for mode in ("on", "off"):
+            pl = pr["latency"][mode]
+            rows.append(f"| {name} | through the broker, {pr['prompt_chars']}-character prompt, "
+                        f"prefix routing {mode} | {pl['p50_us']} | "
+                        f"{pl['p90_us']} | {pl['p99_us']} | "
+                        f"{pr['throughput'][mode + '_messages_per_s']:,} |")
+        rows.append(f"| {name} | **prefix routing on minus off** | "
+                    f"**{pr['latency']['on_minus_off_p50_us']}** | | "
+                    f"**{pr['latency']['on_minus_off_p99_us']}** | "
+                    f"{pr['throughput']['on_vs_off']:.0%} of off |")
     rows.append("")
     for name, t in r["transports"].items():
         f = t["hop_floor_c_proxy"]
@@ -448,10 +532,21 @@ def render(r: dict) -> str:
                     f"and {f['py_forwarder_p50_us']} µs through a minimal Python ROUTER/ROUTER "
                     f"forwarder (adds {f['py_forwarder_added_p50_us']} µs).")
         rows.append("")
+    w = r["prefix_routing_work"]
+    rows.append("Prefix routing's own work per request, in C++ without sockets (best of 3 x "
+                "200,000): the key of a prompt (256 bytes hashed) and the pick among 4 / 16 "
+                f"workers {w['prompt_4_workers_ns']} / {w['prompt_16_workers_ns']} ns; of token "
+                f"ids (64 ids) {w['input_ids_4_workers_ns']} / {w['input_ids_16_workers_ns']} ns; "
+                f"of a chat (system and first user message, 256 bytes each) "
+                f"{w['messages_4_workers_ns']} / {w['messages_16_workers_ns']} ns.")
+    rows.append("")
     m = r["machine"]
     tp = r["throughput"]
     runs = "; ".join(f"{name}: direct {t['throughput']['runs_direct']}, brokered "
-                     f"{t['throughput']['runs_brokered']}" for name, t in r["transports"].items())
+                     f"{t['throughput']['runs_brokered']}, prefix routing on "
+                     f"{t['prefix_routing']['throughput']['runs_on']}, off "
+                     f"{t['prefix_routing']['throughput']['runs_off']}"
+                     for name, t in r["transports"].items())
     rows.append(f"{m['cpus']} CPUs, Python {m['python']}, pyzmq {m['pyzmq']} (libzmq {m['libzmq']}; "
                 f"the broker's native data plane: libzmq {m['broker_libzmq']}), "
                 f"msgpack {m['msgpack']}; tcp is loopback, ipc is unix domain sockets; broker "
@@ -482,6 +577,14 @@ sockets (keys on its allow-lists, `docs/security.md`), with its own echo
 worker and a client holding an allowed key, measured in the same rounds as
 the plain broker. The target for it is at least 80% of the plain broker's
 messages/s.
+
+"Prefix routing on / off": two more brokers, alike but for `--prefix-routing`
+(docs/broker.md, Prefix routing), each with its echo worker, are sent the
+same prompt of more characters than the routing key reads (256 bytes), in
+the same rounds as the other paths (which of the two goes first alternates).
+"On minus off" is what computing the key and scoring the workers costs per
+request, within the run's noise when it is near zero; the line after the
+table measures that work alone, in C++, for 4 and 16 workers.
 
 The issue 4 target is an added p50 of at most 100 µs with at least 50,000
 messages/s. The broker's loop is native (C++ over libzmq; `docs/broker.md`,

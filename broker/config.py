@@ -42,6 +42,16 @@ class BrokerConfig:
     # the next one before blocking: a reply that comes back soon is picked up
     # at once instead of after a wake-up. 0: block at once.
     spin_us: float = 250.0
+    # Cache-aware routing of requests without a session (docs/broker.md,
+    # "Prefix routing"): requests whose leading prefix_bytes (of the prompt,
+    # of each first message, or prefix_bytes / 4 token ids) are equal go to the
+    # same worker, where its prefix cache holds their KV, while that worker
+    # has a free slot and at most (1 + prefix_balance) times its share of the
+    # requests in flight; else the next worker in the key's order. False:
+    # the worker with the most free slots, as for a session without an owner.
+    prefix_routing: bool = True
+    prefix_bytes: int = 256  # about one KV block (64 tokens) of text
+    prefix_balance: float = 0.5
 
     def __post_init__(self) -> None:
         if self.heartbeat_interval <= 0 or self.liveness < 1:
@@ -54,6 +64,8 @@ class BrokerConfig:
             raise ValueError("spin_us must be in [0, 1e6]")
         if self.tenant_max_inflight < 0 or self.tenant_tokens_per_s < 0 or self.tenant_token_burst_s <= 0:
             raise ValueError("tenant limits must be >= 0 (and the burst > 0)")
+        if self.prefix_bytes < 1 or not 0 <= self.prefix_balance <= 1000:
+            raise ValueError("prefix_bytes must be >= 1 and prefix_balance in [0, 1000]")
         if self.curve_secret and not (self.client_keys and self.worker_keys):
             raise ValueError("CURVE needs both allow-lists: client_keys and worker_keys")
         exposed = [e for e in (self.front, self.back) if not is_local_endpoint(e)]

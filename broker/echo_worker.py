@@ -5,7 +5,8 @@ the prompt's token ids back (cycled up to max_tokens), one step at a time.
     python -m turbomq.broker.echo_worker --broker tcp://127.0.0.1:5556 --delay 0.01
 
 Output token i of a request is input_ids[i % len(input_ids)] (a text prompt
-becomes its code points), so a resumed stream is checkable exactly.
+becomes its code points; chat messages the code points of their contents
+joined), so a resumed stream is checkable exactly.
 `--die-after N` exits abruptly after N deltas, to simulate a crash.
 
 The connection itself (socket, register, heartbeats with session diffs,
@@ -140,7 +141,10 @@ class EchoWorker:
             self._on_end_session(msg["request_id"], msg["session_id"], msg.get("tenant", ""))
 
     def _on_dispatch(self, msg: dict) -> None:
-        source = msg.get("input_ids") or [ord(c) for c in msg["prompt"]]
+        text = msg.get("prompt")
+        if text is None and msg.get("messages") is not None:  # a chat: its contents, in order
+            text = "".join(m["content"] for m in msg["messages"])
+        source = msg.get("input_ids") or [ord(c) for c in text] or [0]
         resume = msg["resume_tokens"]
         params = msg.get("params") or {}
         req = EchoRequest(key=msg["request_id"], attempt=msg["attempt"], source=source,

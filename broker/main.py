@@ -56,6 +56,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="this broker's id in pong/registered replies (default: random)")
     p.add_argument("--spin-us", type=float, default=d.spin_us,
                    help="microseconds to keep polling after a burst before sleeping (0: never)")
+    p.add_argument("--prefix-routing", choices=("on", "off"), default="on" if d.prefix_routing else "off",
+                   help="send requests without a session that share a leading prompt to the same "
+                        "worker, whose prefix cache holds their KV (docs/broker.md)")
+    p.add_argument("--prefix-bytes", type=int, default=d.prefix_bytes,
+                   help="bytes of the prompt (of each first message; /4: token ids) the routing "
+                        "key covers")
+    p.add_argument("--prefix-balance", type=float, default=d.prefix_balance, metavar="EPS",
+                   help="a worker takes its keys' requests while it has at most (1 + EPS) times "
+                        "its share of the requests in flight; past that the key's next worker")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus /metrics on this port (0: a free one; default: none)")
     p.add_argument("--metrics-host", default="127.0.0.1")
@@ -68,7 +77,8 @@ _OUTCOMES = {"completed": "completed", "cancelled": "cancelled", "client_gone": 
              "timeout": "timeout", "overloaded": "rejected", "no_workers": "rejected",
              "session_busy": "rejected", "duplicate_request": "rejected",
              "rate_limited": "rejected"}  # others: error
-_DECISIONS = {"affinity": "affinity", "moved": "moved", "new": "new", "stateless": "new"}
+_DECISIONS = {"affinity": "affinity", "moved": "moved", "new": "new", "prefix": "prefix",
+              "stateless": "stateless"}
 _REJECTS = {"bad_frame": "malformed", "unknown_kind": "unknown_type", "bad_version": "bad_version",
             "frame_too_large": "too_large"}  # others: invalid
 
@@ -92,7 +102,7 @@ class MetricsSync:
         for name, n in stats["requests_by_outcome"].items():
             self._add(m.requests, "outcome", _OUTCOMES.get(name, "error"), "o:" + name, n)
         for name, n in stats["routing"].items():
-            self._add(m.routing_decisions, "decision", _DECISIONS.get(name, "new"), "r:" + name, n)
+            self._add(m.routing_decisions, "decision", _DECISIONS.get(name, "stateless"), "r:" + name, n)
         for side, counts in (("c", stats["frames_rejected"]), ("w", stats["worker_frames_rejected"])):
             for code, n in counts.items():
                 self._add(m.frames_rejected, "reason", _REJECTS.get(code, "invalid"),
@@ -141,7 +151,9 @@ def config_from_args(args: argparse.Namespace) -> BrokerConfig:
                         allow_plain=args.allow_plain,
                         tenant_max_inflight=args.tenant_max_inflight,
                         tenant_tokens_per_s=args.tenant_tokens_per_s,
-                        tenant_token_burst_s=args.tenant_token_burst_s)
+                        tenant_token_burst_s=args.tenant_token_burst_s,
+                        prefix_routing=args.prefix_routing == "on",
+                        prefix_bytes=args.prefix_bytes, prefix_balance=args.prefix_balance)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -154,7 +154,7 @@ WORKER_METRICS: tuple[MetricSpec, ...] = (
 )
 
 REQUEST_OUTCOMES = ("completed", "error", "cancelled", "rejected", "timeout")
-ROUTING_DECISIONS = ("affinity", "moved", "new")
+ROUTING_DECISIONS = ("affinity", "moved", "new", "prefix", "stateless")
 FRAME_REJECT_REASONS = ("malformed", "unknown_type", "bad_version", "too_large", "invalid")
 
 BROKER_METRICS: tuple[MetricSpec, ...] = (
@@ -173,7 +173,10 @@ BROKER_METRICS: tuple[MetricSpec, ...] = (
        "Workers whose heartbeats are current."),
     _b("routing_decisions", "turbomq_broker_routing_decisions_total", COUNTER, "requests",
        "Dispatch decisions: affinity (to the worker holding the session's KV), moved "
-       "(session sent to another worker, KV rebuilt there), new (no session or first turn).",
+       "(session sent to another worker, KV rebuilt there), new (a session's first turn), "
+       "prefix (no session: to the worker its leading prompt hashes to, which likely holds "
+       "its prefix in cache), stateless (no session: elsewhere, that worker being full or "
+       "over its load bound, or prefix routing off).",
        labels=("decision",), label_values=(("decision", ROUTING_DECISIONS),)),
     _b("redispatches", "turbomq_broker_redispatches_total", COUNTER, "requests",
        "Requests sent again to another worker after their worker was lost."),

@@ -40,6 +40,7 @@ class Service:
             self.close()
             raise RuntimeError("broker did not start")
         endpoints = json.loads(line)
+        self.metrics_port = endpoints.get("metrics_port")  # with --metrics-port
         return endpoints["front"], endpoints["back"]
 
     def restart_broker(self, down_s: float = 0.0) -> None:

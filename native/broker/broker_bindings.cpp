@@ -5,6 +5,9 @@
 
 #include <zmq.h>
 
+#include <chrono>
+#include <stdexcept>
+
 #include "broker_core.h"
 
 namespace py = pybind11;
@@ -145,6 +148,9 @@ void bind_broker(py::module_& parent) {
       .def_readwrite("tenant_max_inflight", &BrokerSettings::tenant_max_inflight)
       .def_readwrite("tenant_tokens_per_s", &BrokerSettings::tenant_tokens_per_s)
       .def_readwrite("tenant_token_burst_s", &BrokerSettings::tenant_token_burst_s)
+      .def_readwrite("prefix_routing", &BrokerSettings::prefix_routing)
+      .def_readwrite("prefix_bytes", &BrokerSettings::prefix_bytes)
+      .def_readwrite("prefix_balance", &BrokerSettings::prefix_balance)
       .def_readwrite("limits", &BrokerSettings::limits)
       .def_readwrite("retryable_codes", &BrokerSettings::retryable_codes);
 
@@ -186,6 +192,51 @@ void bind_broker(py::module_& parent) {
     broker::WorkerMessage w;
     return broker::read_worker_message(doc, w) ? worker_fields(w) : py::object(py::none());
   }, py::arg("side"), py::arg("frame"), py::arg("limits"), py::arg("fast_only") = true);
+
+  // Prefix routing's two steps, as the data plane runs them (for tests).
+  m.def("prefix_key", [](py::bytes frame, const std::string& tenant, int64_t prefix_bytes) {
+    std::string bytes = frame;
+    msgpack::Document doc;
+    broker::ClientRequest r;
+    if (!doc.parse(bytes.data(), bytes.size()) || !broker::read_client_request(doc, r) ||
+        r.kind != "generate")
+      return py::object(py::none());
+    return py::object(py::int_(broker::prefix_key(doc, r, tenant, prefix_bytes)));
+  }, py::arg("frame"), py::arg("tenant"), py::arg("prefix_bytes"),
+     "The routing key of a generate frame (None if it is not one).");
+  m.def("rendezvous_pick", [](uint64_t key, const std::vector<std::tuple<std::string, int64_t, int64_t>>& workers,
+                              double balance) {
+    std::vector<broker::RouteCandidate> candidates;
+    for (const auto& [worker_id, slots, inflight] : workers)
+      candidates.push_back({broker::hash_bytes(worker_id, broker::kWorkerIdSeed), slots, inflight});
+    broker::RouteChoice c = broker::rendezvous_pick(key, candidates, balance);
+    return py::make_tuple(c.index, c.preferred_index);
+  }, py::arg("key"), py::arg("workers"), py::arg("balance"),
+     "(chosen, first choice) indices into workers = [(worker_id, slots, inflight)]; chosen -1: all full.");
+  m.def("prefix_routing_ns", [](py::bytes frame, const std::string& tenant, int64_t prefix_bytes,
+                                int workers, int64_t iterations) {
+    std::string bytes = frame;
+    msgpack::Document doc;
+    broker::ClientRequest r;
+    if (!doc.parse(bytes.data(), bytes.size()) || !broker::read_client_request(doc, r) ||
+        r.kind != "generate" || workers < 1 || iterations < 1)
+      throw std::invalid_argument("a generate frame, workers >= 1 and iterations >= 1");
+    std::vector<broker::RouteCandidate> candidates;
+    for (int i = 0; i < workers; ++i)
+      candidates.push_back({broker::hash_bytes("worker-" + std::to_string(i), broker::kWorkerIdSeed),
+                            8, i % 8});
+    volatile int64_t sink = 0;  // keeps the loop's work
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int64_t i = 0; i < iterations; ++i) {
+      const uint64_t key = broker::prefix_key(doc, r, tenant, prefix_bytes);
+      sink = sink + broker::rendezvous_pick(key, candidates, 0.5).index;
+    }
+    const std::chrono::duration<double, std::nano> took = std::chrono::steady_clock::now() - t0;
+    return took.count() / static_cast<double>(iterations);
+  }, py::arg("frame"), py::arg("tenant"), py::arg("prefix_bytes"), py::arg("workers"),
+     py::arg("iterations"),
+     "For benchmarks: nanoseconds per request of prefix routing's work (the key of this "
+     "generate frame and the pick among `workers` workers), run in C++.");
 }
 
 }  // namespace turbomq

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "broker_auth.h"
+#include "broker_prefix.h"
 #include "broker_protocol.h"
 #include "msgpack_lite.h"
 
@@ -48,6 +49,13 @@ struct BrokerSettings {
   int64_t tenant_max_inflight = 0;
   double tenant_tokens_per_s = 0.0;  // generated tokens, a bucket of this rate ...
   double tenant_token_burst_s = 10.0;  // ... holding this many seconds of it
+  // Cache-aware routing of requests without a session (docs/broker.md,
+  // "Prefix routing"): a key from the leading prefix_bytes of the request,
+  // weighted rendezvous hashing over the workers, a load bound of
+  // (1 + prefix_balance) times a worker's share. Off: the most free slots.
+  bool prefix_routing = true;
+  int64_t prefix_bytes = 256;
+  double prefix_balance = 0.5;
   ProtocolLimits limits;
   std::vector<std::string> retryable_codes;  // protocol.RETRYABLE_CODES
 };
@@ -130,8 +138,11 @@ class BrokerCore {
               const std::string& message);
   // Whether `tenant` may not start a request now (why says so).
   bool over_tenant_limit(const std::string& tenant, double now, std::string& why);
-  WorkerPtr pick(const std::string* session_id);
-  void dispatch(const PendingPtr& p, const WorkerPtr& worker, double now);
+  // Where a request goes now, or null when every worker is full. `preferred`:
+  // a stateless request went to its prefix key's first choice.
+  WorkerPtr pick(const std::string* session_key, const uint64_t* prefix_key, bool& preferred);
+  WorkerPtr pick(const Pending& p, bool& preferred);
+  void dispatch(const PendingPtr& p, const WorkerPtr& worker, double now, bool preferred);
   void drain_queue();
   void remove_queued(const PendingPtr& p);
   void on_cancel(const std::string& client, std::string_view request_id);
@@ -190,6 +201,7 @@ class BrokerCore {
   };
   std::unordered_map<std::string, TenantUse> tenants_;
   std::unordered_set<std::string> retryable_;
+  std::vector<RouteCandidate> candidates_;  // pick()'s scratch, reused
   uint64_t next_key_ = 0;
 
   struct Stats {

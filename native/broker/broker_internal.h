@@ -32,6 +32,7 @@ inline msgpack::Writer begin_message(const char* kind, uint32_t fields) {
 struct BrokerCore::Worker {
   std::string identity;  // routing id on the back socket
   std::string worker_id, model;
+  uint64_t id_hash = 0;  // of worker_id: its place in prefix routing, whatever its connection
   int64_t slots = 0, kv_blocks = 0;
   double expiry = 0.0;  // dropped when not heard from by then
   int64_t free_kv_blocks = 0;
@@ -56,6 +57,8 @@ struct BrokerCore::Pending {
   std::string session_id;   // the client's
   std::string tenant;       // its client's tenant ("" in plain mode)
   std::string session_key;  // "tenant:session_id": affinity and busy sessions use it
+  bool has_prefix_key = false;  // stateless, with prefix routing on
+  uint64_t prefix_key = 0;
   double arrived = 0.0, deadline = 0.0;
   double queued_at = -1.0;  // when it entered the queue; < 0: not queued
   WorkerPtr worker;

@@ -20,6 +20,7 @@ void BrokerCore::on_register(const std::string& ident, const WorkerMessage& msg)
   auto worker = std::make_shared<Worker>();
   worker->identity = ident;
   worker->worker_id.assign(msg.worker_id);
+  worker->id_hash = hash_bytes(worker->worker_id, kWorkerIdSeed);
   worker->model.assign(msg.model);
   worker->slots = msg.slots;
   worker->kv_blocks = msg.kv_blocks;

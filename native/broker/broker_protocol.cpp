@@ -193,15 +193,16 @@ bool read_client_request(const Document& doc, ClientRequest& out) {
   const Node* messages = doc.get(msg, "messages");
   if (!none(prompt)) {
     out.has_prompt = true;
-    out.prompt_or_ids = span(*prompt);
+    out.prompt_node = prompt;
   } else if (!none(messages)) {
     out.has_messages = true;
-    out.prompt_or_ids = span(*messages);
+    out.prompt_node = messages;
   } else if (!none(ids)) {
-    out.prompt_or_ids = span(*ids);
+    out.prompt_node = ids;
   } else {
     return false;
   }
+  out.prompt_or_ids = span(*out.prompt_node);
   const Node* params = doc.get(msg, "params");
   if (params != nullptr && params->type == Type::Map) out.params = span(*params);
   const Node* stream = doc.get(msg, "stream");

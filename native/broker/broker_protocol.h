@@ -45,6 +45,7 @@ struct ClientRequest {
   bool has_prompt = false;
   bool has_messages = false;  // a chat prompt, in prompt_or_ids
   std::string_view prompt_or_ids;
+  const msgpack::Node* prompt_node = nullptr;  // the same, parsed (valid while its document is)
   std::string_view params;
   bool stream = false;
   double timeout = 0.0;  // 0: none given

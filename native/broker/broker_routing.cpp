@@ -63,7 +63,12 @@ void BrokerCore::on_generate(const std::string& client, const ClientRequest& req
     return refuse(client, rid, "rate_limited", why);
   if (workers_.empty() && settings_.fail_fast)
     return refuse(client, rid, "no_workers", "no worker is connected");
-  WorkerPtr worker = pick(req.has_session ? &skey : nullptr);
+  // Computed once, here: the key of a stateless request (a session's turn
+  // carries only its new messages; affinity routes it).
+  const bool keyed = settings_.prefix_routing && !req.has_session;
+  const uint64_t prefix = keyed ? prefix_key(doc_, req, tenant_, settings_.prefix_bytes) : 0;
+  bool preferred = false;
+  WorkerPtr worker = pick(req.has_session ? &skey : nullptr, keyed ? &prefix : nullptr, preferred);
   if (!worker && static_cast<int64_t>(queue_.size()) >= settings_.queue_bound)
     return refuse(client, rid, "overloaded",
                   "every worker is busy and " + std::to_string(queue_.size()) + " requests are queued");
@@ -81,6 +86,8 @@ void BrokerCore::on_generate(const std::string& client, const ClientRequest& req
   p->session_id = sid;
   p->tenant = tenant_;
   p->session_key = skey;
+  p->has_prefix_key = keyed;
+  p->prefix_key = prefix;
   ++tenants_[tenant_].inflight;
   p->arrived = t;
   p->deadline = t + (req.timeout > 0 ? req.timeout : settings_.default_timeout);
@@ -95,15 +102,30 @@ void BrokerCore::on_generate(const std::string& client, const ClientRequest& req
     p->queued_at = t;
     queue_.push_back(p);
   } else {
-    dispatch(p, worker, t);
+    dispatch(p, worker, t, preferred);
   }
 }
 
-BrokerCore::WorkerPtr BrokerCore::pick(const std::string* session_id) {
-  // Where a request goes now, or null when every worker is full.
-  if (session_id != nullptr) {
-    auto it = affinity_.find(*session_id);
+BrokerCore::WorkerPtr BrokerCore::pick(const Pending& p, bool& preferred) {
+  return pick(p.has_session ? &p.session_key : nullptr, p.has_prefix_key ? &p.prefix_key : nullptr,
+              preferred);
+}
+
+BrokerCore::WorkerPtr BrokerCore::pick(const std::string* session_key, const uint64_t* prefix_key,
+                                       bool& preferred) {
+  preferred = false;
+  if (session_key != nullptr) {
+    auto it = affinity_.find(*session_key);
     if (it != affinity_.end() && it->second->alive && it->second->free_slots() > 0) return it->second;
+  }
+  if (prefix_key != nullptr) {
+    candidates_.clear();
+    for (const WorkerPtr& w : workers_)
+      candidates_.push_back({w->id_hash, w->slots, static_cast<int64_t>(w->inflight.size())});
+    const RouteChoice c = rendezvous_pick(*prefix_key, candidates_, settings_.prefix_balance);
+    if (c.index < 0) return nullptr;
+    preferred = c.preferred;
+    return workers_[static_cast<size_t>(c.index)];
   }
   WorkerPtr best;
   for (const WorkerPtr& w : workers_) {
@@ -116,7 +138,7 @@ BrokerCore::WorkerPtr BrokerCore::pick(const std::string* session_id) {
   return best;
 }
 
-void BrokerCore::dispatch(const PendingPtr& p, const WorkerPtr& worker, double t) {
+void BrokerCore::dispatch(const PendingPtr& p, const WorkerPtr& worker, double t, bool preferred) {
   if (p->queued_at >= 0.0) {
     if (hooks_.tick) queue_waits_.push_back(t - p->queued_at);
     p->queued_at = -1.0;
@@ -150,7 +172,9 @@ void BrokerCore::dispatch(const PendingPtr& p, const WorkerPtr& worker, double t
   ++p->attempt;
   p->worker = worker;
   worker->inflight[p->key] = p;
-  const char* decision = "stateless";
+  // A stateless request: "prefix" when it went to its key's first choice,
+  // "stateless" when load sent it elsewhere (or prefix routing is off).
+  const char* decision = preferred ? "prefix" : "stateless";
   if (p->has_session) {
     auto it = affinity_.find(p->session_key);
     decision = it == affinity_.end() ? "new" : it->second == worker ? "affinity" : "moved";
@@ -163,10 +187,11 @@ void BrokerCore::dispatch(const PendingPtr& p, const WorkerPtr& worker, double t
 void BrokerCore::drain_queue() {
   while (!queue_.empty()) {
     PendingPtr p = queue_.front();
-    WorkerPtr worker = pick(p->has_session ? &p->session_key : nullptr);
+    bool preferred = false;
+    WorkerPtr worker = pick(*p, preferred);
     if (!worker) return;
     queue_.pop_front();
-    dispatch(p, worker, now());
+    dispatch(p, worker, now(), preferred);
   }
 }
 

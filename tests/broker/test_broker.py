@@ -52,7 +52,8 @@ def client_for():
 
 
 def test_routes_by_load_and_queues(service, client_for):
-    svc = service()
+    # The free-capacity rule alone (prefix routing: tests/broker/test_prefix_routing.py).
+    svc = service(**{"prefix-routing": "off"})
     svc.add_worker("w1", slots=2, delay=0.02)
     svc.add_worker("w2", slots=2, delay=0.02)
     c = client_for(svc)
@@ -89,8 +90,8 @@ def test_session_affinity_then_moved_when_owner_full(service, client_for):
     assert [e["worker_id"] for e in svc.events("dispatch")] == [owner, owner]
     # Occupy the owner's only slot, then the session must move.
     blocker = None
-    for _ in range(4):
-        s = c.generate(input_ids=[1], max_tokens=40, stream=True)
+    for attempt in range(8):  # each prompt its own key (prefix routing): one lands there
+        s = c.generate(input_ids=[1 + attempt], max_tokens=40, stream=True)
         next(s)
         if svc.events("dispatch")[-1]["worker_id"] == owner:
             blocker = s
@@ -314,8 +315,9 @@ def test_async_client_fails_over_to_the_other_broker(service, client_for):
 def test_stalled_worker_never_delivers_twice_or_out_of_order(service, client_for):
     # SIGSTOP the worker running a stream past its liveness, SIGCONT it after
     # the broker moved the stream: whatever the old attempt sends then is
-    # dropped, and the stream stays contiguous.
-    svc = service()
+    # dropped, and the stream stays contiguous. Routed by free slots, so the
+    # stream goes to the worker with more of them.
+    svc = service(**{"prefix-routing": "off"})
     svc.add_worker("stalls", slots=4, delay=0.02)
     c = client_for(svc, timeout=20.0)
     svc.wait_workers(c, 1)

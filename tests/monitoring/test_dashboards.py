@@ -153,6 +153,19 @@ def test_every_catalogue_metric_is_on_a_dashboard():
     assert not missing, f"catalogue metrics on no dashboard: {missing}"
 
 
+def test_broker_dashboard_shows_every_routing_decision():
+    """The routing panel splits by decision and its description names each
+    one; the cached-KV panel shows affinity (sessions) and prefix (the rest)."""
+    from turbomq.monitoring.catalogue import ROUTING_DECISIONS
+    panels = {p["title"]: p for p in all_panels(load_dashboards()["turbomq-broker.json"])}
+    routing = panels["Routing decisions / s"]
+    assert "sum by (decision)" in routing["targets"][0]["expr"]
+    for decision in ROUTING_DECISIONS:
+        assert f"{decision}:" in routing["description"], decision
+    cached = " ".join(t["expr"] for t in panels["Routed to cached KV"]["targets"])
+    assert 'decision="affinity"' in cached and 'decision="prefix"' in cached
+
+
 def test_counters_are_rated_and_gauges_are_not():
     for name, title, expr in panel_exprs():
         for metric, _, start in selectors(expr):

@@ -241,3 +241,16 @@ def test_docs_table_names_every_metric():
     doc = (Path(__file__).resolve().parents[2] / "docs" / "metrics.md").read_text()
     documented = set(re.findall(r"^\| `(turbomq_[a-z0-9_]+)` \|", doc, re.M))
     assert documented == {spec.name for spec in catalogue()}
+
+
+def test_docs_table_lists_every_known_label_value():
+    """Each label with a known set of values is documented with exactly those
+    values, `label` (a / b / c), in its metric's row."""
+    from pathlib import Path
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "metrics.md").read_text()
+    rows = {m.group(1): m.group(0) for m in re.finditer(r"^\| `(turbomq_[a-z0-9_]+)` \|.*$", doc, re.M)}
+    for spec in catalogue():
+        for label, values in spec.label_values:
+            m = re.search(rf"`{label}` \(([^)]*)\)", rows[spec.name])
+            assert m, f"{spec.name}: docs/metrics.md does not list the values of {label}"
+            assert m.group(1).split(" / ") == list(values), (spec.name, label, m.group(1))

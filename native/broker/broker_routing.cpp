@@ -63,9 +63,11 @@ void BrokerCore::on_generate(const std::string& client, const ClientRequest& req
     return refuse(client, rid, "rate_limited", why);
   if (workers_.empty() && settings_.fail_fast)
     return refuse(client, rid, "no_workers", "no worker is connected");
-  // Computed once, here: the key of a stateless request (a session's turn
-  // carries only its new messages; affinity routes it).
-  const bool keyed = settings_.prefix_routing && !req.has_session;
+  // Computed once, here: the key of a stateless request, or of a session's
+  // first turn here (no owner yet: it goes where its system prompt is
+  // likely cached). A known session's turn carries only its new messages;
+  // affinity routes it.
+  const bool keyed = settings_.prefix_routing && (!req.has_session || !affinity_.count(skey));
   const uint64_t prefix = keyed ? prefix_key(doc_, req, tenant_, settings_.prefix_bytes) : 0;
   bool preferred = false;
   WorkerPtr worker = pick(req.has_session ? &skey : nullptr, keyed ? &prefix : nullptr, preferred);

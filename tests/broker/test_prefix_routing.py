@@ -225,12 +225,17 @@ def test_a_resent_conversation_keeps_its_worker(service, client_for):
             assert homes.setdefault(i, w) == w
     assert [homes[i] for i in range(9)] == [order(key(messages=chat(f)), pool)[0] for f in firsts]
     assert len(set(homes.values())) > 1
-    # A session is routed by affinity as before, not by its prompt.
-    with c.session("kept", max_tokens=2) as s:
-        s.send(SYSTEM)
-        s.send(SYSTEM)
+    # A session's first turn goes where its prompt's key says (its system
+    # prompt is likely cached there); later turns follow affinity.
+    for name in ("kept", "other"):
+        n = len(svc.events("dispatch"))
+        with c.session(name, max_tokens=2) as s:
+            s.send(name + ": " + SYSTEM)
+            s.send("and then?")
+        first, second = (e["worker_id"] for e in svc.events("dispatch")[n:n + 2])
+        assert first == order(key(prompt=name + ": " + SYSTEM), pool)[0] and second == first
     routing = c.stats()["routing"]
-    assert routing["prefix"] == 27 and routing["new"] == 1 and routing["affinity"] == 1
+    assert routing["prefix"] == 27 and routing["new"] == 2 and routing["affinity"] == 2
 
 
 def test_a_full_first_choice_sends_the_request_to_the_next_without_waiting(service, client_for):

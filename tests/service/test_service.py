@@ -610,3 +610,17 @@ def test_messages_through_the_service(cluster, client_for, tmp_path):
     assert got == want
     with pytest.raises(InvalidRequest):  # a malformed message is refused at the client
         client.generate(messages=[{"role": "user"}])
+
+
+def test_a_stopped_worker_leaves_cleanly_and_exits_0(cluster, client_for):
+    """SIGTERM: the worker finishes its loop, closes the engine (every tensor)
+    and its broker links, and exits 0; the broker then counts no worker."""
+    svc = cluster()
+    client = client_for(svc.front)
+    proc = svc.start_worker("w0")
+    svc.wait_ready("w0")
+    wait_until(lambda: client.health()["workers"] == 1, 30, "the worker registered")
+    assert client.generate(prompt="Hello", max_tokens=4, temperature=0).finish_reason == "length"
+    os.killpg(proc.pid, signal.SIGTERM)
+    assert proc.wait(30) == 0
+    wait_until(lambda: client.health()["workers"] == 0, 30, "the broker saw the worker go")

@@ -89,3 +89,16 @@ def our_logits(model, ids, chunks: list[int]):
                                      torch.arange(n, device=device)))
         done += n
     return torch.cat(out)
+
+
+def random_tokens(rng, n: int) -> list[int]:
+    """n token ids of the demo model's vocabulary (no specials)."""
+    return [rng.randrange(3, 1000) for _ in range(n)]
+
+
+def demo_engine(**overrides):
+    """An engine on the demo model: 4 slots, 16-token blocks, unless overridden."""
+    from turbomq.worker import Engine, EngineConfig
+
+    return Engine(EngineConfig(**{"model": demo_model_dir(), "max_batch_size": 4,
+                                  "block_size": 16, **overrides}))

@@ -36,25 +36,34 @@ def layer(module: str) -> int | None:
     return LAYERS.get(parts[2])
 
 
-def imports(path: Path, modules: set[str]) -> set[str]:
-    """Every module `path` imports, wherever the statement is (functions,
-    TYPE_CHECKING blocks), resolved to absolute names."""
-    here = module_name(path)
-    package = here if is_package(path) else here.rsplit(".", 1)[0]
-    found: set[str] = set()
+def import_statements(path: Path, package: str):
+    """(module, names imported from it) for every import statement in `path`,
+    wherever it stands (functions, TYPE_CHECKING blocks); relative imports
+    resolved against `package`. A plain `import m` gives (m, [])."""
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
-            found.update(a.name for a in node.names)
+            for alias in node.names:
+                yield alias.name, []
         elif isinstance(node, ast.ImportFrom):
+            origin = node.module or ""
             if node.level:
                 base = package.split(".")
                 base = base[:len(base) - node.level + 1]
                 origin = ".".join(base + ([node.module] if node.module else []))
-            else:
-                origin = node.module
-            for alias in node.names:
-                sub = f"{origin}.{alias.name}"
-                found.add(sub if sub in modules else origin)
+            yield origin, [alias.name for alias in node.names]
+
+
+def imports(path: Path, modules: set[str]) -> set[str]:
+    """Every module `path` imports, resolved to absolute names."""
+    here = module_name(path)
+    package = here if is_package(path) else here.rsplit(".", 1)[0]
+    found: set[str] = set()
+    for origin, names in import_statements(path, package):
+        if not names:
+            found.add(origin)
+        for name in names:
+            sub = f"{origin}.{name}"
+            found.add(sub if sub in modules else origin)
     return found
 
 
@@ -162,18 +171,8 @@ def test_the_client_library_never_imports_its_extras():
         rel = path.relative_to(CLIENTS)
         in_extra = rel.parts[0] in EXTRA_PACKAGES
         package = ".".join(["turbomq", "clients", *rel.parent.parts])
-        for node in ast.walk(ast.parse(path.read_text())):
-            names = []
-            if isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                if node.level:
-                    base = package.split(".")
-                    base = base[:len(base) - node.level + 1]
-                    origin = ".".join(base + ([node.module] if node.module else []))
-                else:
-                    origin = node.module or ""
-                names = [origin] + [f"{origin}.{a.name}" for a in node.names]
+        for origin, imported in import_statements(path, package):
+            names = [origin] + [f"{origin}.{n}" for n in imported]
             for name in names:
                 extra = any(name == f"turbomq.clients.{e}" or name.startswith(f"turbomq.clients.{e}.")
                             for e in EXTRA_PACKAGES)

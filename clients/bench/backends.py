@@ -28,6 +28,16 @@ class RequestResult:
     output_tokens: int = 0
     text: str = ""  # the reply (multi-turn resends it)
 
+    def add_chunk(self, now: float, tokens: int, text: str) -> None:
+        """A token-bearing chunk arrived at `now`: TTFT or an inter-token gap."""
+        if not self.chunk_times:
+            self.ttft = now - self.start
+        else:
+            self.itl.append(now - self.chunk_times[-1])
+        self.chunk_times.append(now)
+        self.chunk_tokens.append(tokens)
+        self.text += text
+
 
 class TurbomqBackend:
     """Straight to a broker: `generate(..., stream=True)`; a session turn
@@ -44,22 +54,13 @@ class TurbomqBackend:
         from turbomq.clients import Delta, TurbomqError
 
         kwargs = dict(messages=messages) if messages is not None else dict(prompt=prompt)
-        last = result.start
         try:
             async for ev in self.client.generate(**kwargs, session_id=session_id,
                                                  max_tokens=max_tokens, stream=True, **sampling):
                 now = time.monotonic()
                 if isinstance(ev, Delta):
-                    if not ev.token_ids:
-                        continue
-                    if not result.chunk_times:
-                        result.ttft = now - result.start
-                    else:
-                        result.itl.append(now - last)
-                    last = now
-                    result.chunk_times.append(now)
-                    result.chunk_tokens.append(len(ev.token_ids))
-                    result.text += ev.text
+                    if ev.token_ids:
+                        result.add_chunk(now, len(ev.token_ids), ev.text)
                 else:
                     result.latency = now - result.start
                     u = ev.usage
@@ -131,7 +132,6 @@ class OpenAIBackend:
         if session_id is not None:
             body["session_id"] = session_id
         url = self.base_url + ("/chat/completions" if chat else "/completions")
-        last = result.start
         try:
             async with self.http.stream("POST", url, json=body) as r:
                 if r.status_code != 200:
@@ -158,16 +158,8 @@ class OpenAIBackend:
                     for choice in obj.get("choices") or ():
                         piece = (choice.get("delta") or {}).get("content") if chat \
                             else choice.get("text")
-                        if not piece:
-                            continue
-                        if not result.chunk_times:
-                            result.ttft = now - result.start
-                        else:
-                            result.itl.append(now - last)
-                        last = now
-                        result.chunk_times.append(now)
-                        result.chunk_tokens.append(1)
-                        result.text += piece
+                        if piece:
+                            result.add_chunk(now, 1, piece)
             result.latency = time.monotonic() - result.start
             if not result.output_tokens:  # no usage from the server: count chunks
                 result.output_tokens = len(result.chunk_times)

@@ -9,32 +9,25 @@ import random
 
 import pytest
 
-from helpers import demo_model_dir
-from turbomq.worker import Engine, EngineConfig, SamplingParams
+from helpers import demo_engine as engine, random_tokens
+from turbomq.worker import SamplingParams
+from turbomq.worker.engine.block_hash import extend_block_hashes
 
 BLOCK = 16
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 
-def engine(**overrides) -> Engine:
-    cfg = dict(model=demo_model_dir(), max_batch_size=4, block_size=BLOCK)
-    cfg.update(overrides)
-    return Engine(EngineConfig(**cfg))
-
-
-def tokens(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(3, 1000) for _ in range(n)]
-
-
 def test_a_prefix_pushed_out_of_the_pool_comes_back_from_host_ram():
     rng = random.Random(0)
-    system = tokens(rng, 96)  # 6 full blocks
+    system = random_tokens(rng, 96)  # 6 full blocks
     eng = engine(num_kv_blocks=10, host_kv_blocks=32)
-    first = eng.generate(input_ids=[system + tokens(rng, 5)], params=GREEDY)[0]
+    first = eng.generate(input_ids=[system + random_tokens(rng, 5)], params=GREEDY)[0]
     for _ in range(3):  # other traffic reuses every block of the pool
-        eng.generate(input_ids=[tokens(rng, 120)], params=GREEDY)
-    assert eng.kv_manager.match_prefix(eng.scheduler._hashes(_probe(system), 6)) == 0
-    again = eng.generate(input_ids=[system + tokens(rng, 5)], params=GREEDY)[0]
+        eng.generate(input_ids=[random_tokens(rng, 120)], params=GREEDY)
+    names: list[int] = []
+    extend_block_hashes(names, system, BLOCK, 6, eng.scheduler.config.hash_seed)
+    assert eng.kv_manager.match_prefix(names) == 0  # none of it is on the "GPU" any more
+    again = eng.generate(input_ids=[system + random_tokens(rng, 5)], params=GREEDY)[0]
     assert again.usage.cached_tokens == 96  # all six blocks, loaded from host RAM
     stats = eng.stats()
     assert stats["host_tier_loaded_blocks"] == 6 and stats["host_tier_stored_blocks"] >= 6
@@ -43,16 +36,10 @@ def test_a_prefix_pushed_out_of_the_pool_comes_back_from_host_ram():
     eng.kv_manager.check()
 
 
-def _probe(prompt):
-    from turbomq.worker.engine.scheduler import Sequence
-    return Sequence(request_id="probe", kv_key=-1, session_id=None, tokens=list(prompt),
-                    prompt_len=len(prompt), params=GREEDY)
-
-
 @pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
 def test_tokens_equal_a_cache_free_engine_under_pressure(kv_dtype):
     rng = random.Random(1)
-    prefixes = [tokens(rng, 48) for _ in range(4)]
+    prefixes = [random_tokens(rng, 48) for _ in range(4)]
     work = []
     turns: dict[str, int] = {}
     for _ in range(30):
@@ -60,9 +47,9 @@ def test_tokens_equal_a_cache_free_engine_under_pressure(kv_dtype):
         if session is not None and turns.get(session, 0) >= 2:
             session = None  # sessions stay within the context limit
         if session is not None and turns.get(session):
-            prompt = tokens(rng, rng.randint(1, 16))  # a later turn: new tokens only
+            prompt = random_tokens(rng, rng.randint(1, 16))  # a later turn: new tokens only
         else:
-            prompt = rng.choice(prefixes)[:rng.randint(16, 48)] + tokens(rng, rng.randint(1, 24))
+            prompt = rng.choice(prefixes)[:rng.randint(16, 48)] + random_tokens(rng, rng.randint(1, 24))
         if session is not None:
             turns[session] = turns.get(session, 0) + 1
         work.append((session, prompt))

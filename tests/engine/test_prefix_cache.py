@@ -7,27 +7,17 @@ from __future__ import annotations
 
 import random
 
-from helpers import demo_model_dir
-from turbomq.worker import Engine, EngineConfig, SamplingParams
+from helpers import demo_engine as engine, random_tokens
+from turbomq.worker import SamplingParams
 
 BLOCK = 16
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 
 
-def engine(**overrides) -> Engine:
-    cfg = dict(model=demo_model_dir(), max_batch_size=4, block_size=BLOCK)
-    cfg.update(overrides)
-    return Engine(EngineConfig(**cfg))
-
-
-def tokens(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(3, 1000) for _ in range(n)]
-
-
 def test_a_shared_system_prompt_is_prefilled_once():
     rng = random.Random(0)
-    system = tokens(rng, 100)
-    prompts = [system + tokens(rng, rng.randint(1, 30)) for _ in range(6)]
+    system = random_tokens(rng, 100)
+    prompts = [system + random_tokens(rng, rng.randint(1, 30)) for _ in range(6)]
     cached, plain = engine(), engine(prefix_caching=False)
     first = cached.generate(input_ids=prompts[:1], params=GREEDY)[0]
     rest = cached.generate(input_ids=prompts[1:], params=GREEDY)
@@ -45,7 +35,7 @@ def test_resending_the_whole_history_reuses_it():
     cached, plain = engine(), engine(prefix_caching=False)
     history: list[int] = []
     for turn in range(4):
-        prompt = history + tokens(rng, rng.randint(5, 40))
+        prompt = history + random_tokens(rng, rng.randint(5, 40))
         got = cached.generate(input_ids=[prompt], params=GREEDY)[0]
         want = plain.generate(input_ids=[prompt], params=GREEDY)[0]
         assert got.token_ids == want.token_ids, f"turn {turn}"
@@ -59,10 +49,10 @@ def test_under_eviction_pressure_tokens_equal_a_cache_free_engine():
     """Sessions and stateless requests with shared prefixes on a pool too small
     for them: blocks are named, dropped, reused and evicted all the time."""
     rng = random.Random(2)
-    prefixes = [tokens(rng, 40) for _ in range(3)]
+    prefixes = [random_tokens(rng, 40) for _ in range(3)]
     work = []
     for i in range(24):
-        prompt = rng.choice(prefixes)[:rng.randint(10, 40)] + tokens(rng, rng.randint(1, 20))
+        prompt = rng.choice(prefixes)[:rng.randint(10, 40)] + random_tokens(rng, rng.randint(1, 20))
         work.append((f"s{rng.randrange(4)}" if rng.random() < 0.5 else None, prompt))
     results, stats = [], []
     for eng in (engine(num_kv_blocks=14), engine(prefix_caching=False)):
@@ -79,7 +69,7 @@ def test_under_eviction_pressure_tokens_equal_a_cache_free_engine():
 
 def test_tenants_do_not_share_cached_blocks():
     rng = random.Random(3)
-    prompt = tokens(rng, 70)
+    prompt = random_tokens(rng, 70)
     eng = engine()
     seen = {}
 
@@ -100,10 +90,10 @@ def test_tenants_do_not_share_cached_blocks():
 def test_without_the_cache_an_evicted_session_is_a_miss():
     rng = random.Random(4)
     eng = engine(prefix_caching=False)
-    first = tokens(rng, 40)
+    first = random_tokens(rng, 40)
     eng.generate(input_ids=[first], params=GREEDY, session_id="chat")
     eng.evict_session("chat")
-    second = eng.generate(input_ids=[tokens(rng, 5)], params=GREEDY, session_id="chat")[0]
+    second = eng.generate(input_ids=[random_tokens(rng, 5)], params=GREEDY, session_id="chat")[0]
     assert second.usage.cached_tokens == 0
     stats = eng.stats()
     assert stats["cache_misses"] == 1 and stats["reprefilled_tokens"] == 50

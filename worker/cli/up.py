@@ -45,10 +45,11 @@ def gpu_count() -> int:
 
 def resolve_device(device: str, workers: Optional[int]) -> tuple[str, int]:
     """`auto`: the GPUs when there are any (one worker per GPU), else the CPU (2 workers)."""
+    gpus = gpu_count() if device == "auto" or workers is None else 0
     if device == "auto":
-        device = "cuda" if gpu_count() > 0 else "cpu"
+        device = "cuda" if gpus > 0 else "cpu"
     if workers is None:
-        workers = max(gpu_count(), 1) if device == "cuda" else 2
+        workers = max(gpus, 1) if device == "cuda" else 2
     return device, workers
 
 

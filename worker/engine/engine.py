@@ -409,10 +409,7 @@ class Engine:
             "prefix_cache_blocks": kv["cached_blocks"],
             "prefix_cache_free_blocks": kv["cached_free_blocks"],
             "prefix_cache_evictions": kv["cached_block_evictions"],
-            "host_tier_blocks_total": self.host_tier.num_slots if self.host_tier else 0,
-            "host_tier_blocks_used": len(self.host_tier) if self.host_tier else 0,
-            "host_tier_stored_blocks": self.host_tier.stored_blocks if self.host_tier else 0,
-            "host_tier_loaded_blocks": self.host_tier.loaded_blocks if self.host_tier else 0,
+            **(self.host_tier.stats() if self.host_tier else HostTier(0).stats()),
             **self.counters,
         }
 

@@ -23,6 +23,11 @@ class HostTier:
     def __len__(self) -> int:
         return len(self._slots)
 
+    def stats(self) -> dict:
+        return {"host_tier_blocks_total": self.num_slots, "host_tier_blocks_used": len(self),
+                "host_tier_stored_blocks": self.stored_blocks,
+                "host_tier_loaded_blocks": self.loaded_blocks}
+
     def lookup_chain(self, hashes: Sequence[int]) -> list[int]:
         """Slots of the leading `hashes` this tier holds (touched: most recent)."""
         slots = []

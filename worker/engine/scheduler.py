@@ -303,33 +303,34 @@ class Scheduler:
         return min(want, cfg.max_model_len, self.max_tokens_in_pool())
 
     def _admit(self, seq: Sequence) -> bool:
-        kv = self.kv
+        kv, bs = self.kv, self.config.block_size
         existed = kv.contains(seq.kv_key)
         resident = kv.acquire(seq.kv_key)
         missed = resident == 0  # a session turn whose KV was not resident here
-        if resident == 0 and self.config.prefix_caching:
+        on_gpu, in_host = 0, []
+        if missed and self.config.prefix_caching:
             # Leading blocks the pool holds by name: from this session before
-            # it was evicted, or from any request that began the same way.
+            # it was evicted, or from any request that began the same way;
+            # then what host RAM holds of the chain, loaded into new blocks.
             # The last token is always computed, for its logits.
-            usable = (len(seq.tokens) - 1) // self.config.block_size
-            hashes = self._hashes(seq, usable)
+            hashes = self._hashes(seq, (len(seq.tokens) - 1) // bs)
             on_gpu = kv.attach_prefix(seq.kv_key, hashes)
-            # then what host RAM holds of the chain: loaded into new blocks
-            in_host = self.host.lookup_chain(hashes[on_gpu:]) if self.host is not None else []
-            if in_host:
-                return self._admit_with_loads(seq, existed, on_gpu, in_host)
-            resident = on_gpu * self.config.block_size
+            if self.host is not None:
+                in_host = self.host.lookup_chain(hashes[on_gpu:])
+            resident = (on_gpu + len(in_host)) * bs
         # Never trust more resident KV than this turn's tokens explain, and keep
         # at least one token to compute so there are logits to sample from.
         resident = min(resident, len(seq.tokens) - 1)
         if not kv.reserve(seq.kv_key, max(self._admission_target(seq), resident + 1)):
             self._unadmit_kv(seq, existed)
             return False
-        self._admitted(seq, resident, missed)
-        return True
-
-    def _admitted(self, seq: Sequence, resident: int, missed: bool) -> None:
-        """Bookkeeping of an admitted sequence with `resident` tokens of KV."""
+        kv.set_num_tokens(seq.kv_key, resident)
+        if in_host:  # copied in before this step's forward; named now
+            blocks = kv.block_table(seq.kv_key)[on_gpu:on_gpu + len(in_host)]
+            self._loads.extend(zip(in_host, blocks))
+            self.host.loaded_blocks += len(in_host)
+            kv.commit_block_hashes(seq.kv_key, on_gpu,
+                                   seq.block_hashes[on_gpu:on_gpu + len(in_host)])
         if seq.session_id is not None and seq.first_admitted is None:
             if seq.history_len > 0:
                 if resident > 0:
@@ -343,26 +344,8 @@ class Scheduler:
             seq.cached_tokens = resident
         seq.num_computed = resident
         # A resident session's full blocks were named when they were written.
-        seq.named_blocks = resident // self.config.block_size
-        self.kv.set_num_tokens(seq.kv_key, resident)
+        seq.named_blocks = resident // bs
         self._take_slot(seq)
-
-    def _admit_with_loads(self, seq: Sequence, existed: bool, on_gpu: int,
-                          slots: list[int]) -> bool:
-        """Admission whose prefix continues in host RAM: blocks for it are
-        reserved now and filled by copies before this step's forward."""
-        kv, bs = self.kv, self.config.block_size
-        resident = (on_gpu + len(slots)) * bs
-        if not kv.reserve(seq.kv_key, max(self._admission_target(seq), resident + 1)):
-            self._unadmit_kv(seq, existed)
-            return False
-        blocks = kv.block_table(seq.kv_key)[on_gpu:on_gpu + len(slots)]
-        self._loads.extend(zip(slots, blocks))
-        self.host.loaded_blocks += len(slots)
-        kv.set_num_tokens(seq.kv_key, resident)
-        # named now: the copy lands before any forward reads them
-        kv.commit_block_hashes(seq.kv_key, on_gpu, seq.block_hashes[on_gpu:on_gpu + len(slots)])
-        self._admitted(seq, resident, missed=True)
         return True
 
     def _next_block_in(self, seq: Sequence, names: set[int]) -> bool:

@@ -69,6 +69,8 @@ class TurnRecord:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     generated: int = 0
+    request_id: str = ""
+    scheduled: float = 0.0  # start of the first step that ran it (--trace)
 
 
 def cpu_tensors(cfg: ModelConfig) -> dict[str, torch.Tensor]:
@@ -98,6 +100,23 @@ def run_mode(model, name: str, mode: dict, system, convs, args, pool_blocks: int
     params = SamplingParams(max_tokens=args.output_tokens, temperature=0.0, ignore_eos=True)
     # warm-up: decode graphs for the batch sizes ahead (tokens the workload never uses)
     engine.generate(input_ids=[[7] * 100] * args.in_flight, params=SamplingParams(max_tokens=4, temperature=0))
+    steps: list[dict] = []
+    first_step: dict[str, float] = {}
+    if args.trace:
+        def observe(plan, seconds: float) -> None:
+            if plan is None:
+                return
+            now = time.perf_counter()
+            for item in plan.scheduled:
+                first_step.setdefault(item.seq.request_id, now - seconds)
+            steps.append(dict(t=now, dur=seconds,
+                              decode=sum(i.num_new_tokens == 1 for i in plan.scheduled),
+                              prefill=sum(i.num_new_tokens for i in plan.scheduled
+                                          if i.num_new_tokens > 1),
+                              loads=len(plan.loads), spills=len(plan.spills),
+                              preempted=len(plan.preempted),
+                              waiting=len(engine.scheduler.waiting)))
+        engine.step_observer = observe
     engine.start()
     done_q: "queue.Queue[TurnRecord]" = queue.Queue()
     pending = [Conversation(i, turns) for i, turns in enumerate(convs)]
@@ -129,7 +148,8 @@ def run_mode(model, name: str, mode: dict, system, convs, args, pool_blocks: int
                 conv.history += tokens
                 done_q.put((rec, conv))
 
-        engine.submit(input_ids=prompt, params=params, session_id=sid, callback=on_event)
+        rec.request_id = engine.submit(input_ids=prompt, params=params, session_id=sid,
+                                       callback=on_event)
 
     # Every conversation is live from the start: ready turns wait in one FIFO
     # and a conversation's next turn joins its back, so between two turns of
@@ -156,6 +176,16 @@ def run_mode(model, name: str, mode: dict, system, convs, args, pool_blocks: int
     engine.close()
 
     later = [r for r in records if r.turn > 0]
+    if args.trace:
+        t0 = start
+        turns = [dict(conv=r.conversation, turn=r.turn, history=r.history, cached=r.cached_tokens,
+                      prompt=r.prompt_tokens, submitted=r.submitted - t0,
+                      scheduled=first_step.get(r.request_id, 0.0) - t0, first=r.first - t0,
+                      done=r.done - t0) for r in records]
+        for s in steps:
+            s["t"] -= t0
+        name_ = name.replace(" ", "_").replace("+", "")
+        (args.out / f"trace_{name_}.json").write_text(json.dumps(dict(turns=turns, steps=steps)))
     ttft = np.array([(r.first - r.submitted) * 1e3 for r in later])
     # a hit: the whole history was reused (up to the partial last block, which
     # a resend recomputes, and the last generated token, which was never fed)
@@ -198,6 +228,8 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--host-kv-blocks", type=int, default=None,
                     help="host tier size in the host-tier modes (default: the engine's)")
+    ap.add_argument("--trace", action="store_true",
+                    help="also write every step and turn's timings (trace_MODE.json)")
     ap.add_argument("--tiny", action="store_true", help="a tiny model, to check the script on a CPU")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)

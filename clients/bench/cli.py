@@ -45,6 +45,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     work.add_argument("--output-len", type=int, default=128,
                       help="tokens generated per request (synthetic: the median)")
     work.add_argument("--turns", type=int, default=4, help="multi-turn: turns per conversation")
+    work.add_argument("--system-prompt-len", type=int, default=0, metavar="N",
+                      help="multi-turn: every conversation opens with the same system message "
+                           "of about N tokens")
     work.add_argument("--think-time", type=float, default=1.0,
                       help="multi-turn: mean seconds a user thinks before the next turn "
                            "(exponential)")
@@ -93,7 +96,7 @@ def _conversations(args, mode_seed: int):
         return W.fixed(args.num_prompts, rng, args.input_len, args.output_len, count)
     if args.workload == "multi-turn":
         return W.multi_turn(args.num_prompts, rng, args.turns, args.input_len, args.output_len,
-                            args.think_time, args.dataset_path, count)
+                            args.think_time, args.dataset_path, count, args.system_prompt_len)
     return W.synthetic_sharegpt(args.num_prompts, rng, args.input_len, args.output_len, count)
 
 
@@ -138,7 +141,7 @@ def _command(argv: Optional[list]) -> str:
 
 def _config(args, mode: Optional[str], label: str, command: str) -> dict:
     keys = ("broker", "base_url", "model", "endpoint", "workload", "dataset_path", "num_prompts",
-            "input_len", "output_len", "turns", "think_time", "request_rate", "burstiness",
+            "input_len", "output_len", "turns", "system_prompt_len", "think_time", "request_rate", "burstiness",
             "max_concurrency", "seed", "temperature", "ignore_eos", "tokenizer")
     cfg = {k: getattr(args, k) for k in keys}
     if cfg["request_rate"] == float("inf"):

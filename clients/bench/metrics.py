@@ -97,6 +97,9 @@ def summarize(results: Sequence[RequestResult], duration: float, start: float,
         s["later_turns_cache_hit_rate"] = (sum(r.cached_tokens for r in later) / later_prompt
                                            if later_prompt else 0.0)
         s["turns"] = 1 + max((r.turn for r in results), default=0)
+        # First turns that reused nothing: with a shared system prompt, how
+        # often it was prefilled (once per worker when the prefix cache works)
+        s["first_turns_without_reuse"] = sum(r.turn == 0 and r.cached_tokens == 0 for r in ok)
         for label, group in (("first_turn", [r for r in ok if r.turn == 0]), ("later_turns", later)):
             values = [r.ttft for r in group if r.chunk_times]
             s.update({k.replace("_ttft_", f"_ttft_{label}_"): v
@@ -137,6 +140,7 @@ def format_summary(s: dict, title: str = "Serving Benchmark Result") -> str:
         row("Turns per conversation:", s["turns"])
         row("Cache hit rate (all turns):", s["cache_hit_rate"], "{:<10.3f}")
         row("Cache hit rate (later turns):", s["later_turns_cache_hit_rate"], "{:<10.3f}")
+        row("First turns that reused nothing:", s["first_turns_without_reuse"], "{:<10d}")
         for label, text in (("first_turn", "first turns"), ("later_turns", "later turns")):
             row(f"Mean TTFT, {text} (ms):", s[f"mean_ttft_{label}_ms"])
             row(f"P99 TTFT, {text} (ms):", s[f"p99_ttft_{label}_ms"]

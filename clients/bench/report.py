@@ -103,7 +103,8 @@ _ROWS = [("Successful requests", "completed", "{:d}"), ("Failed requests", "fail
          ("Output token throughput (tok/s)", "output_throughput", "{:.2f}"),
          ("Total token throughput (tok/s)", "total_token_throughput", "{:.2f}"),
          ("Cache hit rate (all turns)", "cache_hit_rate", "{:.3f}"),
-         ("Cache hit rate (later turns)", "later_turns_cache_hit_rate", "{:.3f}")]
+         ("Cache hit rate (later turns)", "later_turns_cache_hit_rate", "{:.3f}"),
+         ("First turns that reused nothing", "first_turns_without_reuse", "{}")]
 
 
 def compare_table(docs: dict) -> str:

@@ -57,14 +57,14 @@ async def run_workload(backend, conversations: Sequence[Conversation], *, reques
 
     async def converse(conv: Conversation, offset: float) -> None:
         await asyncio.sleep(max(start + offset - time.monotonic(), 0.0))
-        history: list[dict] = []
+        history: list[dict] = [{"role": "system", "content": conv.system}] if conv.system else []
         session = f"bench-{run_id}-{conv.id}" if multi and mode == "session" else None
         for i, turn in enumerate(conv.turns):
             if i and conv.think_times[i] > 0:
                 await asyncio.sleep(conv.think_times[i])
             history.append({"role": "user", "content": turn.text})
             if multi:
-                if session is not None and backend.name == "turbomq":
+                if session is not None and backend.name == "turbomq" and i:
                     prompt, messages = None, [history[-1]]  # the session holds the rest
                 else:
                     prompt, messages = None, list(history)

@@ -61,6 +61,7 @@ class Conversation:
     id: str
     turns: list  # [Turn]; one for single-turn workloads
     think_times: list = field(default_factory=list)  # seconds before turn i (i >= 1)
+    system: str = ""  # a system message that opens the conversation (multi-turn)
 
 
 def _lognormal(rng: random.Random, median: int, sigma: float, lo: int, hi: int) -> int:
@@ -139,12 +140,16 @@ def sharegpt(n: int, rng: random.Random, path: str, count=None,
 
 
 def multi_turn(n: int, rng: random.Random, turns: int, input_len: int, output_len: int,
-               think_time: float, path: Optional[str] = None, count=None) -> list[Conversation]:
+               think_time: float, path: Optional[str] = None, count=None,
+               system_len: int = 0) -> list[Conversation]:
     """`n` conversations of `turns` turns: user messages of ShareGPT-like
     lengths around `input_len`, replies of `output_len` (or, from a ShareGPT
     file, its conversations with at least 2 turns, cut to `turns`); the user
-    thinks an exponential time of mean `think_time` before each later turn."""
+    thinks an exponential time of mean `think_time` before each later turn.
+    `system_len` > 0: every conversation opens with the same system message
+    of that many tokens (an application's instructions)."""
     convs = []
+    system = text_of(system_len, random.Random(rng.random()), count) if system_len > 0 else ""
     if path is not None:
         source = [c for c in load_sharegpt(path) if len(c) >= 2]
         rng.shuffle(source)
@@ -162,6 +167,7 @@ def multi_turn(n: int, rng: random.Random, turns: int, input_len: int, output_le
                 ts.append(Turn(text_of(lin, rng, count), output_len, lin))
             convs.append(Conversation(f"conv-{i}", ts))
     for c in convs:
+        c.system = system
         c.think_times = [0.0] + [rng.expovariate(1.0 / think_time) if think_time > 0 else 0.0
                                  for _ in c.turns[1:]]
     return convs

@@ -8,6 +8,7 @@ import json
 import subprocess
 
 from test_gateway import MODEL, stack  # noqa: F401 (the module's live stack)
+from helpers import demo_model_dir
 from test_service import CHILD_ENV, PY
 
 BENCH = [PY, "-m", "turbomq.worker.cli", "bench", "--no-progress"]
@@ -47,6 +48,22 @@ def test_multi_turn_sessions_and_resends_through_the_broker(stack, tmp_path):
           str(tmp_path / "resend" / "results.json"), "--out", str(tmp_path / "again"))
     again = (tmp_path / "again" / "compare.md").read_text()
     assert "| metric | session | resend |" in again and "--multi-turn-mode session,resend" in again
+
+
+def test_a_shared_system_prompt_is_prefilled_once(stack, tmp_path):
+    """Conversations that open with the same system message: the worker's
+    prefix cache computes it for the first one only (one worker here)."""
+    svc, _ = stack
+    bench("--broker", svc.front, "--workload", "multi-turn", "--num-prompts", "4",
+          "--turns", "2", "--input-len", "8", "--output-len", "4", "--think-time", "0.05",
+          "--system-prompt-len", "200", "--request-rate", "20", "--ignore-eos",
+          "--tokenizer", demo_model_dir(), "--out", str(tmp_path))
+    doc = json.loads((tmp_path / "results.json").read_text())
+    assert doc["config"]["system_prompt_len"] == 200
+    assert doc["summary"]["completed"] == 8
+    first = [r for r in doc["requests"] if r["turn"] == 0]
+    assert sorted(r["cached_tokens"] > 0 for r in first) == [False, True, True, True]
+    assert doc["summary"]["first_turns_without_reuse"] == 1
 
 
 def test_sharegpt_file_through_the_gateway(stack, tmp_path):

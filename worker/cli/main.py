@@ -31,6 +31,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=64, help="tokens per KV block")
     p.add_argument("--num-kv-blocks", type=int, default=None,
                    help="KV pool size in blocks (default: sized from memory)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=512, metavar="N",
+                   help="token budget of one step: prefill is chunked to fit beside the decodes")
     p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                    help="split each layer over N devices: --device and the N-1 after it")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
@@ -45,6 +47,7 @@ def _engine_config(args: argparse.Namespace):
     return EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
                         kv_dtype=args.kv_dtype, max_batch_size=args.max_batch_size,
                         block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+                        max_num_batched_tokens=args.max_num_batched_tokens,
                         tensor_parallel=args.tensor_parallel, prefix_caching=args.prefix_caching,
                         host_kv_blocks=args.host_kv_blocks)
 
@@ -90,10 +93,13 @@ def cmd_up(args: argparse.Namespace) -> int:
     front = args.front or ("tcp://127.0.0.1:*" if args.smoke else "tcp://127.0.0.1:5555")
     device, workers = resolve_device(args.device, args.workers)
     worker_args = []
-    for flag in ("dtype", "kv_dtype", "max_batch_size", "block_size", "num_kv_blocks"):
+    for flag in ("dtype", "kv_dtype", "max_batch_size", "block_size", "num_kv_blocks",
+                 "max_num_batched_tokens", "host_kv_blocks"):
         value = getattr(args, flag)
         if value is not None:
             worker_args += ["--" + flag.replace("_", "-"), str(value)]
+    if not args.prefix_caching:
+        worker_args.append("--no-prefix-caching")
     config = UpConfig(model=args.model, workers=workers, brokers=args.brokers, front=front,
                       curve=args.curve, gateway_port=args.gateway_port,
                       redis_url=args.redis_url or None, device=device,
@@ -318,6 +324,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch-size", type=int, default=None)
     p.add_argument("--block-size", type=int, default=None)
     p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N")
+    p.add_argument("--host-kv-blocks", type=int, default=None, metavar="N",
+                   help="host-RAM KV tier of each worker, in blocks (0: off)")
+    p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false")
     p.add_argument("--curve", action="store_true",
                    help="CurveZMQ on every link, with keys made for this run (docs/security.md)")
     p.add_argument("--gateway-port", type=int, default=None, metavar="P",

@@ -9,6 +9,7 @@ The engine above it holds no tensors: it hands a step over as `StepInputs`
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -77,6 +78,9 @@ class ModelRunner:
         self.kv_cache: Optional[PagedKVCache] = None
         self.host_kv: Optional[torch.Tensor] = None  # the host-RAM tier, if any
         self.host_scales: Optional[torch.Tensor] = None
+        # CUDA: a copy stream per direction, and each one's last copies
+        self._copy_streams: dict[str, "torch.cuda.Stream"] = {}
+        self._copied: dict[str, Optional["torch.cuda.Event"]] = {"out": None, "in": None}
         self.graphs: Optional[DecodeGraphs] = None
         # Two pinned buffers for sampled tokens, one per step in flight.
         self._token_buffers = ([torch.empty(config.max_batch_size, dtype=torch.long,
@@ -141,6 +145,8 @@ class ModelRunner:
             shape = (num_blocks, pool.shape[0], pool.shape[1], *pool.shape[3:])
             return torch.empty(shape, dtype=pool.dtype, pin_memory=pin)
 
+        if pin:
+            self._copy_streams = {d: torch.cuda.Stream(self.device) for d in ("out", "in")}
         self.host_kv = slots_like(kv.data)
         self.host_scales = slots_like(kv.scales) if kv.scales is not None else None
         log.info("host KV tier: %d blocks (%.2f GiB%s)", num_blocks,
@@ -149,29 +155,68 @@ class ModelRunner:
     def move_blocks(self, spills: Sequence[tuple[int, int]],
                     loads: Sequence[tuple[int, int]]) -> int:
         """Copy (GPU block, host slot) pairs out, then (host slot, GPU block)
-        pairs in, queued on the step's stream ahead of the forward that
-        reads or overwrites those blocks (so nothing waits on the host).
-        Returns the bytes moved."""
+        pairs in, ahead of the step's forward that reads or overwrites those
+        blocks. Returns the bytes moved.
+
+        On CUDA the PCIe copies run on two copy streams, beside the compute:
+        a spill gathers its blocks into a staging buffer on the compute stream
+        (so the forward may overwrite them at once) and copies that to host
+        RAM in the background; a load copies into a staging buffer and the
+        compute stream waits only for that before scattering it into the
+        pool. Each direction waits for the other's previous step, because a
+        slot emptied by a load may be refilled by the next step's spill."""
         kv, moved = self.kv_cache, 0
         planes = [(kv.data, self.host_kv)]
         if kv.scales is not None:
             planes.append((kv.scales, self.host_scales))
+        streams = self._copy_streams
+        compute = torch.cuda.current_stream(self.device) if streams else None
+        # What each direction waits for: the other's copies of earlier steps.
+        # (A slot spilled this step is not loaded this step, and one loaded
+        # this step is not refilled before the next.)
+        before = dict(self._copied)
         for pool, host in planes:
             if spills:
                 blocks = torch.tensor([b for b, _ in spills], dtype=torch.long, device=self.device)
                 staged = pool.index_select(2, blocks).movedim(2, 0).contiguous()
-                for i, (_, slot) in enumerate(spills):
-                    host[slot].copy_(staged[i], non_blocking=True)
+                with self._on_copy_stream("out", before["in"], compute, staged):
+                    for i, (_, slot) in enumerate(spills):
+                        host[slot].copy_(staged[i], non_blocking=True)
                 moved += staged.nbytes
             if loads:
-                staged = torch.empty((len(loads), *host.shape[1:]), dtype=host.dtype,
-                                     device=self.device)
-                for i, (slot, _) in enumerate(loads):
-                    staged[i].copy_(host[slot], non_blocking=True)
+                with self._on_copy_stream("in", before["out"], None, None):
+                    staged = torch.empty((len(loads), *host.shape[1:]), dtype=host.dtype,
+                                         device=self.device)
+                    for i, (slot, _) in enumerate(loads):
+                        staged[i].copy_(host[slot], non_blocking=True)
+                if streams:
+                    compute.wait_event(self._copied["in"])
+                    staged.record_stream(compute)
                 blocks = torch.tensor([b for _, b in loads], dtype=torch.long, device=self.device)
                 pool[:, :, blocks] = staged.movedim(0, 2)
                 moved += staged.nbytes
         return moved
+
+    @contextlib.contextmanager
+    def _on_copy_stream(self, direction: str, wait: Optional["torch.cuda.Event"],
+                        after: Optional["torch.cuda.Stream"], staged: Optional[torch.Tensor]):
+        """Run the body's copies on `direction`'s copy stream (CUDA), after
+        `wait` and after `after`'s work so far, and record when they are done.
+        Elsewhere: just run them."""
+        if not self._copy_streams:
+            yield
+            return
+        stream = self._copy_streams[direction]
+        if wait is not None:
+            stream.wait_event(wait)
+        if after is not None:
+            stream.wait_stream(after)
+        with torch.cuda.stream(stream):
+            yield
+        if staged is not None:
+            staged.record_stream(stream)  # not reused before the copy has read it
+        self._copied[direction] = torch.cuda.Event()
+        self._copied[direction].record(stream)
 
     def release_graphs(self) -> None:
         """Free captured graphs (before a tensor-parallel group goes: NCCL's

@@ -225,11 +225,11 @@ class Scheduler:
         first (unless it holds them already); loads admitted this step
         follow. Slots being loaded are not reused for this step's spills."""
         plan.loads, self._loads = self._loads, []
-        pinned = {slot for slot, _ in plan.loads}
         for block, name in self.kv.take_reclaimed():
-            slot = self.host.store(name, pinned)
+            slot = self.host.store(name)
             if slot is not None:
                 plan.spills.append((block, slot))
+        self.host.end_step()
 
     def commit(self, plan: StepPlan) -> None:
         """Record a launched forward: each scheduled chunk's KV is (being)
@@ -328,9 +328,9 @@ class Scheduler:
         if in_host:  # copied in before this step's forward; named now
             blocks = kv.block_table(seq.kv_key)[on_gpu:on_gpu + len(in_host)]
             self._loads.extend(zip(in_host, blocks))
-            self.host.loaded_blocks += len(in_host)
-            kv.commit_block_hashes(seq.kv_key, on_gpu,
-                                   seq.block_hashes[on_gpu:on_gpu + len(in_host)])
+            names = seq.block_hashes[on_gpu:on_gpu + len(in_host)]
+            self.host.take(names)
+            kv.commit_block_hashes(seq.kv_key, on_gpu, names)
         if seq.session_id is not None and seq.first_admitted is None:
             if seq.history_len > 0:
                 if resident > 0:

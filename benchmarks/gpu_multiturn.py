@@ -92,7 +92,7 @@ def workload(args) -> tuple[list[int], list[list[list[int]]]]:
 def run_mode(model, name: str, mode: dict, system, convs, args, pool_blocks: int) -> dict:
     config = EngineConfig(model="(random weights)", device=args.device, max_batch_size=args.in_flight,
                           block_size=BLOCK, num_kv_blocks=pool_blocks,
-                          max_num_batched_tokens=8192, max_model_len=8192,
+                          max_num_batched_tokens=args.step_tokens, max_model_len=8192,
                           prefix_caching=mode["prefix_caching"],
                           host_kv_blocks=(mode["host_kv_blocks"] if mode["host_kv_blocks"] == 0
                                           else args.host_kv_blocks))
@@ -223,6 +223,7 @@ def main() -> None:
     ap.add_argument("--user-max", type=int, default=500)
     ap.add_argument("--output-tokens", type=int, default=80)
     ap.add_argument("--pool-share", type=float, default=0.65)
+    ap.add_argument("--step-tokens", type=int, default=2048, help="max_num_batched_tokens")
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cuda")

@@ -27,6 +27,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -52,16 +53,25 @@ def final_tokens(args) -> int:
     return per_turn + len(convs) * (args.system_len + TEMPLATE_TOKENS)
 
 
-def start_service(args, pool_blocks: int, flags: list[str], log) -> subprocess.Popen:
+def folder(mode: str) -> str:
+    return mode.replace(" + ", "_").replace(" ", "_")
+
+
+def start_service(args, pool_blocks: int, flags: list[str], log) -> tuple[subprocess.Popen, list]:
+    """`turbomq up`, once it serves; with the /metrics URLs it printed."""
     cmd = CLI + ["up", "--model", str(args.model), "--workers", "1", "--device", args.device,
                  "--front", args.front, "--max-batch-size", str(args.in_flight),
                  "--num-kv-blocks", str(pool_blocks), *flags]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True,
                             start_new_session=True)
     deadline = time.monotonic() + 600
+    urls = []
     for line in proc.stdout:
+        log.write(line)
+        if ", metrics http" in line:
+            urls.append((line.split()[0], line.rsplit(" ", 1)[1].strip()))
         if "Ctrl-C stops everything" in line:
-            return proc
+            return proc, urls
         if time.monotonic() > deadline:
             break
     stop_service(proc)
@@ -120,16 +130,19 @@ def main() -> None:
     docs = {}
     for name in args.modes.split(","):
         flags, mode = MODES[name]
-        out = args.out / name.replace(" + ", "+").replace(" ", "_")
+        out = args.out / folder(name)
         out.mkdir(parents=True, exist_ok=True)
         with open(out / "service.log", "w") as log:
-            proc = start_service(args, pool_blocks, flags, log)
+            proc, urls = start_service(args, pool_blocks, flags, log)
             try:
                 docs[name] = bench(args, mode, name, out)
+                for role, url in urls:  # the service's own view: queue waits, steps, tiers
+                    with urllib.request.urlopen(url, timeout=10) as r:
+                        (out / f"{role}_metrics.txt").write_bytes(r.read())
             finally:
                 stop_service(proc)
-    subprocess.run(CLI + ["bench", "--compare", *(str(args.out / n.replace(" + ", "+").replace(" ", "_")
-                                                      / "results.json") for n in docs),
+    subprocess.run(CLI + ["bench", "--compare",
+                          *(str(args.out / folder(n) / "results.json") for n in docs),
                           "--out", str(args.out)], check=True)
     write_report(args, docs, final, pool_blocks)
 

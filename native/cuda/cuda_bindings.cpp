@@ -61,6 +61,22 @@ void bind_cuda(py::module_& parent) {
         py::arg("v_cache"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"),
         py::arg("block_size"), py::arg("dtype"), py::arg("stream"));
 
+  m.attr("GEMM_INVARIANT_CHUNK") = cuda::kGemmInvariantChunk;
+  m.attr("GEMM_INVARIANT_SPLIT_MAX_ROWS") = cuda::kGemmInvariantSplitMaxRows;
+  m.attr("GEMM_INVARIANT_TILE") = cuda::kGemmInvariantTile;
+  py::enum_<cuda::GemmInvariantPath>(m, "GemmInvariantPath")
+      .value("AUTO", cuda::GemmInvariantPath::kAuto)
+      .value("TILED", cuda::GemmInvariantPath::kTiled)
+      .value("SPLIT", cuda::GemmInvariantPath::kSplit);
+  m.def("gemm_invariant_workspace", &cuda::gemm_invariant_workspace, py::arg("rows"),
+        py::arg("n_out"), py::arg("k_in"), py::arg("path") = cuda::GemmInvariantPath::kAuto);
+  m.def("gemm_invariant_counters", &cuda::gemm_invariant_counters, py::arg("rows"),
+        py::arg("n_out"), py::arg("path") = cuda::GemmInvariantPath::kAuto);
+  m.def("gemm_invariant", &cuda::gemm_invariant, py::arg("y"), py::arg("x"), py::arg("w"),
+        py::arg("rows"), py::arg("n_out"), py::arg("k_in"), py::arg("dtype"),
+        py::arg("workspace"), py::arg("workspace_bytes"), py::arg("stream"),
+        py::arg("path") = cuda::GemmInvariantPath::kAuto, py::arg("counters") = 0);
+
   m.def(
       "paged_attention",
       [](std::uintptr_t out, std::uintptr_t q, std::int64_t q_stride_tok,

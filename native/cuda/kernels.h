@@ -91,6 +91,36 @@ void gemv_qkv_rope(std::uintptr_t q_out, std::uintptr_t x, std::uintptr_t w, std
                    int num_kv_heads, int head_dim, int block_size, DType dtype,
                    std::uintptr_t stream);
 
+// Batch-invariant GEMM (deterministic mode): y [rows, N] = x [rows, K] @
+// w[N, K]^T, fp32 accumulation, one rounding to the dtype, such that row m
+// of y is bit-identical whatever `rows` is and whatever the other rows hold.
+// K is summed in fixed chunks of kGemmInvariantChunk elements: each chunk
+// from zero by one fixed sequence of mma.m16n8k16 (k increasing), the chunk
+// sums then added in chunk order (total = c0; total += c1; ...) in fp32.
+// Two launch shapes compute exactly that: kTiled (a block per output tile,
+// all of K; no workspace) and kSplit (a block per (tile, chunk), chunk sums
+// in fp32 to the workspace [chunks, rows, N], folded in order by the last
+// block of each tile when `counters` is given (int32
+// [gemm_invariant_counters(...)], zero, left zero), else by a second
+// kernel). kAuto takes kSplit for rows <= kGemmInvariantSplitMaxRows.
+// x, w, y contiguous and 16-byte aligned; N and K multiples of 8 (K need not
+// be a multiple of the chunk: the last chunk is shorter in every shape).
+// Launches sharing a workspace or counters must not run concurrently.
+constexpr int kGemmInvariantChunk = 512;
+constexpr int kGemmInvariantSplitMaxRows = 64;
+constexpr int kGemmInvariantTile = 128;  // output columns per block; rows too above 64 rows
+enum class GemmInvariantPath : int { kAuto = 0, kTiled = 1, kSplit = 2 };
+// Workspace bytes the launch needs (0 for kTiled), and the number of counters.
+std::int64_t gemm_invariant_workspace(std::int64_t rows, std::int64_t n_out, std::int64_t k_in,
+                                      GemmInvariantPath path = GemmInvariantPath::kAuto);
+std::int64_t gemm_invariant_counters(std::int64_t rows, std::int64_t n_out,
+                                     GemmInvariantPath path = GemmInvariantPath::kAuto);
+void gemm_invariant(std::uintptr_t y, std::uintptr_t x, std::uintptr_t w, std::int64_t rows,
+                    std::int64_t n_out, std::int64_t k_in, DType dtype, std::uintptr_t workspace,
+                    std::int64_t workspace_bytes, std::uintptr_t stream,
+                    GemmInvariantPath path = GemmInvariantPath::kAuto,
+                    std::uintptr_t counters = 0);
+
 // Paged attention over block tables, decode and prefill-with-history alike.
 // A "tile" is up to 16 rows (query token, query head) of one sequence sharing
 // one KV head. tiles: int32 [num_tiles, 2] = (sequence, row tile), or 0 when

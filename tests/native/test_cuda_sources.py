@@ -47,3 +47,22 @@ def test_cpu_tensors_fall_back_to_reference():
     cuda_ops.write_kv(kv, new, new, batch.slot_mapping)
     torch.testing.assert_close(cuda_ops.paged_attention(q, kv, batch, 0.2),
                                ref.paged_attention(q, kv, batch, 0.2))
+
+
+def test_linear_invariant_reference_and_cpu_fallback():
+    """The chunked reference of the batch-invariant GEMM is x @ w.T (a short
+    last chunk included), and CPU tensors go to it."""
+    from turbomq.worker.model.ops import cuda as cuda_ops
+    from turbomq.worker.model.ops import reference as ref
+
+    g = torch.Generator().manual_seed(0)
+    k = 2 * ref.INVARIANT_CHUNK + 8
+    x = torch.randn(2, 3, k, generator=g)
+    w = torch.randn(24, k, generator=g)
+    got = ref.linear_invariant(x, w)
+    assert got.shape == (2, 3, 24) and got.dtype == x.dtype
+    torch.testing.assert_close(got, x @ w.T, rtol=1e-5, atol=1e-4)
+    xb, wb = x.bfloat16(), w.bfloat16()
+    torch.testing.assert_close(ref.linear_invariant(xb, wb).float(),
+                               xb.float() @ wb.float().T, rtol=1e-2, atol=1e-1)
+    assert torch.equal(cuda_ops.linear_invariant(xb, wb), ref.linear_invariant(xb, wb))

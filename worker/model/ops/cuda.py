@@ -378,14 +378,16 @@ def _sm_count(device: torch.device) -> int:
 
 
 _COUNTERS: dict[int, torch.Tensor] = {}
-_RETIRED: list[torch.Tensor] = []  # outgrown counter buffers that captured graphs may still use
+_RETIRED: list[torch.Tensor] = []  # outgrown counter and workspace buffers captured graphs may use
 
 
 def _counters(device: torch.device, n: int) -> Optional[torch.Tensor]:
     """A zeroed int32 buffer of >= n counters for the fused split-K combine
-    (one per device; every kernel leaves its counters at zero). None while a
-    graph is being captured and the buffer would have to grow: a capture
-    cannot zero new memory, so that launch combines in a second kernel."""
+    of attention and linear_invariant (one per device; every kernel leaves
+    its counters at zero, and launches on one stream never overlap). None
+    while a graph is being captured and the buffer would have to grow: a
+    capture cannot zero new memory, so that launch combines in a second
+    kernel."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     buf = _COUNTERS.get(index)
     if buf is None or buf.numel() < n:
@@ -489,3 +491,98 @@ def paged_attention(q: torch.Tensor, kv: LayerKV, batch: AttentionBatch, scale: 
             float(scale), part_size, parts, part_ptrs[0], part_ptrs[1], _DTYPES[q.dtype],
             _DTYPES[kv.k.dtype], _stream(q), 0 if counters is None else counters.data_ptr())
     return out
+
+
+# ------------------------------------------------ batch-invariant linear
+# linear_invariant (deterministic mode) runs native/cuda/gemm_invariant.cu:
+# row m of the result is bit-identical whatever the number of rows and
+# whatever the other rows hold. Two launch shapes give the same bits, so the
+# choice between them is one of speed and memory only:
+# - split (a block per (column tile, K chunk), the chunk sums folded in
+#   order): the weights are read once by enough blocks to fill the GPU. For
+#   inputs of at most INVARIANT_SPLIT_MAX_ROWS rows, and for larger ones whose
+#   tiled grid would leave multiprocessors idle (under one block per SM);
+# - tiled (a block per output tile over all of K): everything else, and any
+#   input whose chunk sums would need more than INVARIANT_MAX_WORKSPACE bytes
+#   (the LM head at 64 rows: its 1002 column tiles fill the GPU anyway).
+# TURBOMQ_INVARIANT_SPLIT_MAX_ROWS overrides the row limit.
+INVARIANT_SPLIT_MAX_ROWS = int(os.environ.get("TURBOMQ_INVARIANT_SPLIT_MAX_ROWS", "64"))
+INVARIANT_MAX_WORKSPACE = 64 << 20
+
+_WORKSPACES: dict[int, torch.Tensor] = {}
+
+
+def _workspace(device: torch.device, nbytes: int) -> torch.Tensor:
+    """Scratch of >= nbytes (float32) for the split shape's chunk sums, one per
+    device. Outgrown buffers stay alive for graphs that captured them; one
+    that would have to grow during a capture is replaced, for that launch
+    only, by a fresh buffer from the graph's pool."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    buf = _WORKSPACES.get(index)
+    if buf is not None and buf.numel() * 4 >= nbytes:
+        return buf
+    fresh = torch.empty(max(1, -(-nbytes // 4)), dtype=torch.float32, device=device)
+    if torch.cuda.is_current_stream_capturing():
+        return fresh
+    if buf is not None:
+        _RETIRED.append(buf)
+    _WORKSPACES[index] = fresh
+    return fresh
+
+
+def _invariant_path(path: Optional[str], rows: int, n_out: int, k_in: int,
+                    device: torch.device):
+    if path is None:
+        split = _k.GemmInvariantPath.SPLIT
+        tile = _k.GEMM_INVARIANT_TILE
+        fits = _k.gemm_invariant_workspace(rows, n_out, k_in, split) <= INVARIANT_MAX_WORKSPACE
+        idle = -(-rows // tile) * -(-n_out // tile) < _sm_count(device)
+        path = "split" if fits and (rows <= INVARIANT_SPLIT_MAX_ROWS or idle) else "tiled"
+    if path not in ("split", "tiled"):
+        raise ValueError(f"path must be 'split', 'tiled' or None, not {path!r}")
+    return _k.GemmInvariantPath.SPLIT if path == "split" else _k.GemmInvariantPath.TILED
+
+
+def linear_invariant(x: torch.Tensor, weight: torch.Tensor, *,
+                     out: Optional[torch.Tensor] = None, path: Optional[str] = None,
+                     fused_fold: bool = True) -> torch.Tensor:
+    """As reference.linear_invariant (x @ weight.T, K summed in fixed chunks
+    in a fixed order), batch-invariant bit for bit. `path` forces the launch
+    shape ("split" or "tiled"; both give the same bits); `fused_fold=False`
+    folds the split shape's chunk sums in a second kernel instead of in the
+    last block of each tile. Inputs the kernel does not take (not 16-bit, N
+    or K not a multiple of 8, weight not contiguous and 16-byte aligned, CPU
+    tensors) go to the reference; that choice depends on the weight and the
+    dtype only, never on the number of rows."""
+    k_in = x.shape[-1]
+    n_out = weight.shape[0] if weight.dim() == 2 else -1
+    if not (_native_ok(x, weight) and x.dtype in _HALF and weight.dtype == x.dtype
+            and weight.dim() == 2 and weight.shape[1] == k_in and k_in % 8 == 0 and k_in > 0
+            and n_out % 8 == 0 and n_out > 0 and weight.is_contiguous()
+            and weight.data_ptr() % 16 == 0):
+        return reference.linear_invariant(x, weight)
+    rows = x.numel() // k_in
+    shape = (*x.shape[:-1], n_out)
+    if rows == 0:
+        return torch.empty(shape, dtype=x.dtype, device=x.device)
+    x2 = x.reshape(rows, k_in)
+    if not x2.is_contiguous() or x2.data_ptr() % 16 != 0:
+        x2 = x2.clone(memory_format=torch.contiguous_format)  # fresh, so aligned
+    y = out
+    if y is None or not (y.dtype == x.dtype and y.is_contiguous() and y.shape == shape
+                         and y.data_ptr() % 16 == 0):
+        y = torch.empty(shape, dtype=x.dtype, device=x.device)
+    kind = _invariant_path(path, rows, n_out, k_in, x.device)
+    nbytes = _k.gemm_invariant_workspace(rows, n_out, k_in, kind)
+    ws = _workspace(x.device, nbytes) if nbytes else None
+    counters = None
+    if nbytes and fused_fold:
+        counters = _counters(x.device, _k.gemm_invariant_counters(rows, n_out, kind))
+    with _on_device(x):
+        _k.gemm_invariant(y.data_ptr(), x2.data_ptr(), weight.data_ptr(), rows, n_out, k_in,
+                          _DTYPES[x.dtype], 0 if ws is None else ws.data_ptr(), nbytes,
+                          _stream(x), kind, 0 if counters is None else counters.data_ptr())
+    if out is not None and y is not out:
+        out.copy_(y)
+        return out
+    return y

@@ -74,6 +74,27 @@ def linear(x: torch.Tensor, weight: torch.Tensor, *,
     return y
 
 
+# K elements per chunk of linear_invariant's reduction (the native kernel's
+# GEMM_INVARIANT_CHUNK).
+INVARIANT_CHUNK = 512
+
+
+def linear_invariant(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight.T summed in the order of the batch-invariant GEMM
+    (native/cuda/gemm_invariant.cu): K in chunks of INVARIANT_CHUNK, each
+    chunk's sum in float32, the chunk sums added in chunk order, one rounding
+    to x's dtype. Within a chunk the order is the matmul's own, so this agrees
+    with the kernel to float32 noise, not bit for bit."""
+    k = x.shape[-1]
+    xf = x.reshape(-1, k).float()
+    wf = weight.float()
+    total = torch.zeros((xf.shape[0], weight.shape[0]), dtype=torch.float32, device=x.device)
+    for s in range(0, k, INVARIANT_CHUNK):
+        part = xf[:, s:s + INVARIANT_CHUNK] @ wf[:, s:s + INVARIANT_CHUNK].T
+        total = part if s == 0 else total + part
+    return total.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+
+
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up

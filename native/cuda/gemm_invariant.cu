@@ -1,0 +1,532 @@
+// Batch-invariant GEMM: y[M, N] = x[M, K] @ w[N, K]^T (fp16/bf16, fp32
+// accumulation) whose row m is bit-identical whatever M is and whatever the
+// other rows hold: the same token gives the same logits in a decode batch of
+// 1 or 64, or inside an 8192-row prefill (deterministic mode).
+//
+// The reduction over K has one fixed shape, independent of M, N and of the
+// launch configuration:
+//   K is cut into chunks of kGemmInvariantChunk (KC) elements. Chunk s of
+//   output (m, n) is accumulated from zero by the mma.m16n8k16 sequence over
+//   its k16 steps in increasing k (zero-filled past K). The chunk sums are
+//   then folded in chunk order, total = c_0; total += c_1; ... with plain
+//   fp32 adds (__fadd_rn: never contracted into an FMA), and the total is
+//   rounded once to the output dtype.
+// A tensor-core mma computes each output element from its own row of A, its
+// own column of B and its own accumulator, so a row's value does not depend
+// on where it sits in the tile nor on its neighbours.
+//
+// Two launch shapes compute exactly that:
+//   tiled: a block owns an MT x 128 output tile and walks all of K through a
+//     4-stage cp.async pipeline (64-wide k tiles, ldmatrix from XOR-swizzled
+//     shared memory), keeping two accumulator sets: the chunk's, and the
+//     running total it is folded into at each chunk's end. Large M.
+//   split: a block owns one (tile, chunk) and writes the chunk sum (fp32) to
+//     a workspace [chunks, M, N]; the last block of a tile to finish (an
+//     atomic counter, reset by that block) or a second kernel folds the
+//     partials in chunk order. Small M: the weights are read once by
+//     chunks x N/128 blocks, enough to fill the GPU even at M = 1.
+// Both run the same main loop (Mainloop below), so chunk sums agree bit for
+// bit, and the folds add the same operands in the same order. The host picks
+// the shape (any M works with either); the tests check the two agree.
+#include "common.cuh"
+
+namespace turbomq {
+namespace cuda {
+namespace {
+
+constexpr int kChunk = kGemmInvariantChunk;
+constexpr int kBK = 64;      // k per pipeline stage: a 128-byte shared-memory row
+constexpr int kStages = 4;   // k tiles in flight per block
+constexpr int kNT = kGemmInvariantTile;  // output columns per block
+constexpr int kThreads = 256;
+constexpr int kGroupM = 8;   // tiled: row tiles per raster group (L2 reuse of w)
+constexpr int kRowBytes = kBK * 2;
+static_assert(kChunk % kBK == 0, "a chunk is whole k tiles: chunk boundaries are tile boundaries");
+static_assert(kNT == 128, "the warp layouts below assume 128-wide tiles");
+
+// Warp layout of a block: an MT x 128 tile over 8 warps. MT = 128 (large M):
+// 2 x 4 warps of 64 x 32; MT <= 64: 1 x 8 warps of MT x 16 (the few rows are
+// shared, the weight columns split).
+template <int MT>
+struct Shape {
+  static constexpr int kWarpsM = MT == 128 ? 2 : 1;
+  static constexpr int kWarpsN = 8 / kWarpsM;
+  static constexpr int kWarpM = MT / kWarpsM;
+  static constexpr int kWarpN = kNT / kWarpsN;
+  static constexpr int kMi = kWarpM / 16;  // m16 tiles per warp
+  static constexpr int kNj = kWarpN / 8;   // n8 tiles per warp
+  static constexpr int kStageBytes = (MT + kNT) * kRowBytes;
+  static constexpr int kSmemBytes = kStages * kStageBytes;
+  static_assert(kWarpsM * kWarpsN * 32 == kThreads, "8 warps");
+  static_assert(kMi >= 1 && kNj % 2 == 0, "ldmatrix.x4 loads two n8 tiles at once");
+};
+
+template <typename T>
+struct Mma;
+template <>
+struct Mma<__half> {
+  __device__ __forceinline__ static void run(float* c, const std::uint32_t* a,
+                                             const std::uint32_t* b) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  }
+};
+template <>
+struct Mma<__nv_bfloat16> {
+  __device__ __forceinline__ static void run(float* c, const std::uint32_t* a,
+                                             const std::uint32_t* b) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  }
+};
+
+// 16 bytes global -> shared, bypassing L1; zero-filled when !ok (rows past M
+// or N, k past K), so every mma sees finite data.
+__device__ __forceinline__ void cp_async16(std::uint32_t dst, const void* src, bool ok) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src),
+               "r"(ok ? 16 : 0)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+__device__ __forceinline__ void ldmatrix_x4(std::uint32_t* r, std::uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+// Byte offset of 16-byte column chunk `c` (0..7) of `row` in a stage: rows of
+// 128 bytes, chunks XOR-swizzled by row % 8 so the 8 rows an ldmatrix phase
+// reads hit 8 different bank groups.
+__device__ __forceinline__ std::uint32_t swizzle(int row, int c) {
+  return static_cast<std::uint32_t>(row * kRowBytes + ((c ^ (row & 7)) << 4));
+}
+
+struct Params {
+  void* y;                 // [M, N]
+  const void* x;           // [M, K]
+  const void* w;           // [N, K]
+  float* partial;          // split: [chunks, M, N]
+  int* counters;           // split: [m_tiles * n_tiles] or null (second kernel folds)
+  int m, n, k;
+  int m_tiles, n_tiles, k_tiles, chunks;
+};
+
+// One thread's share of loading rows [r0, r0 + kRowsTile) of a [limit, K]
+// matrix into a stage: 16-byte chunk c = tid % 8 of rows tid / 8 + 32 i.
+// The row's swizzle (row % 8) is the same for every i, so the shared
+// offsets are one base plus 4 KiB steps; the global pointer is set up once.
+template <int kRowsTile>
+struct RowLoader {
+  static constexpr int kPerThread = (kRowsTile * 8 + kThreads - 1) / kThreads;
+  static constexpr int kRowStep = kThreads / 8;  // 32 rows between a thread's chunks
+  const std::uint16_t* g;    // the matrix: a valid address for zero-filled chunks
+  const std::uint16_t* src;  // row r0 + tid / 8, column 8 (tid % 8)
+  std::int64_t step;         // elements between a thread's rows
+  std::uint32_t dst;         // offset in a stage of its first chunk
+  int rows_left;             // rows from the thread's first row to the limit
+  int col;                   // its column within a k tile
+
+  __device__ __forceinline__ RowLoader(const std::uint16_t* matrix, int r0, int limit, int k)
+      : g(matrix) {
+    const int r = threadIdx.x / 8, c = threadIdx.x % 8;
+    src = g + static_cast<std::int64_t>(r0 + r) * k + c * 8;
+    step = static_cast<std::int64_t>(kRowStep) * k;
+    dst = swizzle(r, c);
+    rows_left = limit - r0 - r;
+    col = c * 8;
+  }
+  __device__ __forceinline__ void load(std::uint32_t stage, int kt, int k) const {
+    const int kk = kt * kBK;
+    const bool k_ok = kk + col < k;  // K % 8 == 0: a chunk is all in or all out
+    const std::uint16_t* p = src + kk;
+#pragma unroll
+    for (int i = 0; i < kPerThread; ++i) {
+      if (kRowsTile * 8 % kThreads != 0 && threadIdx.x / 8 + i * kRowStep >= kRowsTile) break;
+      const bool ok = k_ok && i * kRowStep < rows_left;
+      cp_async16(stage + dst + i * kRowStep * kRowBytes, ok ? p : g, ok);
+      p += step;
+    }
+  }
+};
+
+// The main loop of one output tile over chunks [s_begin, s_end): a cp.async
+// pipeline of 64-wide k tiles that runs on across chunk boundaries, and
+// chunk(s, acc), which zeroes acc and runs the chunk's k16 steps through the
+// mma in increasing k (the last chunk may be shorter; loads past K are
+// zeros). Both launch shapes compute their chunk sums with exactly this,
+// which is what makes them identical.
+template <typename T, int MT>
+struct Mainloop {
+  using S = Shape<MT>;
+  using Acc = float[S::kMi][S::kNj][4];
+  static constexpr int kTilesPerChunk = kChunk / kBK;
+
+  RowLoader<MT> load_x;
+  RowLoader<kNT> load_w;
+  std::uint32_t base;  // shared address of stage 0
+  std::uint32_t a_off, b_off;
+  int key, a_half, b_half;
+  int kt_begin, kt_end, k;
+
+  __device__ __forceinline__ Mainloop(const Params& p, std::uint32_t smem, int m0, int n0,
+                                      int s_begin, int s_end)
+      : load_x(static_cast<const std::uint16_t*>(p.x), m0, p.m, p.k),
+        load_w(static_cast<const std::uint16_t*>(p.w), n0, p.n, p.k),
+        base(smem),
+        kt_begin(s_begin * kTilesPerChunk),
+        kt_end(min(s_end * kTilesPerChunk, p.k_tiles)),
+        k(p.k) {
+    // Per-lane ldmatrix rows and chunk halves (the fragment layouts of
+    // mma.m16n8k16): A: lanes 0-15 rows 0-15 at k 0-7, lanes 16-31 at k 8-15;
+    // B: lanes 0-7 / 8-15 give n 0-7 at k 0-7 / 8-15, lanes 16-31 the same
+    // for n 8-15. Every row a lane reads is lane % 8 modulo 8 (tiles are
+    // multiples of 16 rows), so its swizzle key is lane % 8 throughout: row
+    // offsets become immediates, only the chunk term follows the k16 step.
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int warp_m = warp / S::kWarpsN, warp_n = warp % S::kWarpsN;
+    key = lane & 7;
+    a_off = (warp_m * S::kWarpM + (lane & 15)) * kRowBytes;
+    b_off = (MT + warp_n * S::kWarpN + (lane & 7) + ((lane >> 4) << 3)) * kRowBytes;
+    a_half = lane >> 4;
+    b_half = (lane >> 3) & 1;
+    // The first kStages - 1 k tiles in flight: one commit group each (empty
+    // past the end, so the wait counts stay uniform).
+#pragma unroll
+    for (int i = 0; i < kStages - 1; ++i) {
+      if (kt_begin + i < kt_end) load(kt_begin + i);
+      cp_async_commit();
+    }
+  }
+
+  __device__ __forceinline__ std::uint32_t stage(int kt) const {
+    return base + static_cast<unsigned>(kt - kt_begin) % kStages * S::kStageBytes;
+  }
+  __device__ __forceinline__ void load(int kt) const {
+    load_x.load(stage(kt), kt, k);
+    load_w.load(stage(kt) + MT * kRowBytes, kt, k);
+  }
+
+  __device__ __forceinline__ void chunk(int s, Acc& acc) const {
+#pragma unroll
+    for (int i = 0; i < S::kMi; ++i)
+#pragma unroll
+      for (int j = 0; j < S::kNj; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
+    const int end = min((s + 1) * kTilesPerChunk, kt_end);
+    for (int kt = s * kTilesPerChunk; kt < end; ++kt) {
+      cp_async_wait<kStages - 2>();  // k tile kt has landed (for this thread)...
+      __syncthreads();               // ...for every thread; and stage kt - 1 is free
+      if (kt + kStages - 1 < kt_end) load(kt + kStages - 1);
+      cp_async_commit();
+      const std::uint32_t st = stage(kt);
+#pragma unroll
+      for (int ks = 0; ks < kBK / 16; ++ks) {
+        std::uint32_t a[S::kMi][4], b[S::kNj][2];
+#pragma unroll
+        for (int i = 0; i < S::kMi; ++i) {
+          ldmatrix_x4(a[i], st + a_off + i * 16 * kRowBytes + (((2 * ks + a_half) ^ key) << 4));
+        }
+#pragma unroll
+        for (int j = 0; j < S::kNj; j += 2) {
+          std::uint32_t r[4];
+          ldmatrix_x4(r, st + b_off + j * 8 * kRowBytes + (((2 * ks + b_half) ^ key) << 4));
+          b[j][0] = r[0];
+          b[j][1] = r[1];
+          b[j + 1][0] = r[2];
+          b[j + 1][1] = r[3];
+        }
+#pragma unroll
+        for (int i = 0; i < S::kMi; ++i)
+#pragma unroll
+          for (int j = 0; j < S::kNj; ++j) Mma<T>::run(acc[i][j], a[i], b[j]);
+      }
+    }
+  }
+
+  // Nothing left in flight when the block moves on or exits.
+  __device__ __forceinline__ void drain() const { cp_async_wait<0>(); }
+};
+
+__device__ __forceinline__ std::uint32_t dynamic_smem() {
+  extern __shared__ __align__(128) unsigned char smem[];
+  return static_cast<std::uint32_t>(__cvta_generic_to_shared(smem));
+}
+
+// Accumulator element e of m16 tile i, n8 tile j of this lane: row and column
+// in the block's tile (the mma's C layout: rows g and g + 8, columns 2c, 2c + 1).
+template <int MT>
+__device__ __forceinline__ int acc_row(int i, int e) {
+  using S = Shape<MT>;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  return (warp / S::kWarpsN) * S::kWarpM + i * 16 + lane / 4 + (e >= 2 ? 8 : 0);
+}
+template <int MT>
+__device__ __forceinline__ int acc_col(int j) {
+  using S = Shape<MT>;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  return (warp % S::kWarpsN) * S::kWarpN + j * 8 + (lane % 4) * 2;
+}
+
+__device__ __forceinline__ std::uint32_t pack2(__half lo, __half hi) {
+  return static_cast<std::uint32_t>(__half_as_ushort(lo)) |
+         (static_cast<std::uint32_t>(__half_as_ushort(hi)) << 16);
+}
+__device__ __forceinline__ std::uint32_t pack2(__nv_bfloat16 lo, __nv_bfloat16 hi) {
+  return static_cast<std::uint32_t>(__bfloat16_as_ushort(lo)) |
+         (static_cast<std::uint32_t>(__bfloat16_as_ushort(hi)) << 16);
+}
+
+// Large M: one block per output tile, all chunks; grouped raster order so a
+// wave of blocks shares kGroupM row tiles of x and a band of w in L2.
+template <typename T, int MT>
+__global__ void __launch_bounds__(kThreads, MT == 128 ? 1 : 2)
+    gemm_tiled_kernel(const Params p) {
+  using S = Shape<MT>;
+  const int per_group = kGroupM * p.n_tiles;
+  const int group = blockIdx.x / per_group;
+  const int first_m = group * kGroupM;
+  const int group_m = min(p.m_tiles - first_m, kGroupM);
+  const int in_group = blockIdx.x % per_group;
+  const int m0 = (first_m + in_group % group_m) * MT;
+  const int n0 = (in_group / group_m) * kNT;
+
+  // total = c_0 (chunk 0 straight into it, from zero), then total += c_s:
+  // the fold of fold_partials, in registers.
+  Mainloop<T, MT> loop(p, dynamic_smem(), m0, n0, 0, p.chunks);
+  float total[S::kMi][S::kNj][4], acc[S::kMi][S::kNj][4];
+  loop.chunk(0, total);
+  for (int s = 1; s < p.chunks; ++s) {
+    loop.chunk(s, acc);
+#pragma unroll
+    for (int i = 0; i < S::kMi; ++i)
+#pragma unroll
+      for (int j = 0; j < S::kNj; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) total[i][j][e] = __fadd_rn(total[i][j][e], acc[i][j][e]);
+  }
+  loop.drain();
+
+  T* y = static_cast<T*>(p.y);
+#pragma unroll
+  for (int i = 0; i < S::kMi; ++i)
+#pragma unroll
+    for (int j = 0; j < S::kNj; ++j) {
+      const int n = n0 + acc_col<MT>(j);
+      if (n >= p.n) continue;  // N % 8 == 0: columns n and n + 1 are both in or both out
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int m = m0 + acc_row<MT>(i, 2 * h);
+        if (m >= p.m) continue;
+        *reinterpret_cast<std::uint32_t*>(y + static_cast<std::int64_t>(m) * p.n + n) =
+            pack2(from_float<T>(total[i][j][2 * h]), from_float<T>(total[i][j][2 * h + 1]));
+      }
+    }
+}
+
+// The fold of one output tile from the partials, in chunk order: total = p_0,
+// total += p_1, ..., rounded once. Four columns per thread (N % 8 == 0).
+template <typename T, int MT>
+__device__ __forceinline__ void fold_partials(const Params& p, int m_tile, int n_tile) {
+  const int m0 = m_tile * MT, n0 = n_tile * kNT;
+  const int rows = min(MT, p.m - m0);
+  const std::int64_t plane = static_cast<std::int64_t>(p.m) * p.n;
+  constexpr int kQuads = kNT / 4;
+  for (int i = threadIdx.x; i < rows * kQuads; i += kThreads) {
+    const int n = n0 + (i % kQuads) * 4;
+    if (n >= p.n) continue;
+    const std::int64_t off = static_cast<std::int64_t>(m0 + i / kQuads) * p.n + n;
+    const float4* src = reinterpret_cast<const float4*>(p.partial + off);
+    float4 t = __ldcg(src);
+#pragma unroll 4
+    for (int s = 1; s < p.chunks; ++s) {
+      const float4 u = __ldcg(reinterpret_cast<const float4*>(p.partial + s * plane + off));
+      t.x = __fadd_rn(t.x, u.x);
+      t.y = __fadd_rn(t.y, u.y);
+      t.z = __fadd_rn(t.z, u.z);
+      t.w = __fadd_rn(t.w, u.w);
+    }
+    uint2 out;
+    out.x = pack2(from_float<T>(t.x), from_float<T>(t.y));
+    out.y = pack2(from_float<T>(t.z), from_float<T>(t.w));
+    *reinterpret_cast<uint2*>(static_cast<T*>(p.y) + off) = out;
+  }
+}
+
+// Small M: block (chunk, column tile, row tile) writes one chunk sum; the
+// last of a tile's blocks folds them (with counters).
+template <typename T, int MT>
+__global__ void __launch_bounds__(kThreads, MT == 128 ? 1 : 2)
+    gemm_split_kernel(const Params p) {
+  using S = Shape<MT>;
+  const int s = blockIdx.x, n_tile = blockIdx.y, m_tile = blockIdx.z;
+  const int m0 = m_tile * MT, n0 = n_tile * kNT;
+  Mainloop<T, MT> loop(p, dynamic_smem(), m0, n0, s, s + 1);
+  float acc[S::kMi][S::kNj][4];
+  loop.chunk(s, acc);
+  loop.drain();
+  float* out = p.partial + static_cast<std::int64_t>(s) * p.m * p.n;
+#pragma unroll
+  for (int i = 0; i < S::kMi; ++i)
+#pragma unroll
+    for (int j = 0; j < S::kNj; ++j) {
+      const int n = n0 + acc_col<MT>(j);
+      if (n >= p.n) continue;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int m = m0 + acc_row<MT>(i, 2 * h);
+        if (m >= p.m) continue;
+        __stcg(reinterpret_cast<float2*>(out + static_cast<std::int64_t>(m) * p.n + n),
+               make_float2(acc[i][j][2 * h], acc[i][j][2 * h + 1]));
+      }
+    }
+  if (p.counters == nullptr) return;
+
+  // Last block of the tile: every partial is visible once its count is seen
+  // (each writer fences before its block counts).
+  __shared__ int s_last;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int* counter = p.counters + static_cast<std::int64_t>(m_tile) * p.n_tiles + n_tile;
+    const bool last = atomicAdd(counter, 1) + 1 == p.chunks;
+    if (last) atomicExch(counter, 0);  // zero again for the next launch or graph replay
+    s_last = last;
+  }
+  __syncthreads();
+  if (!s_last) return;
+  __threadfence();
+  fold_partials<T, MT>(p, m_tile, n_tile);
+}
+
+// The fold as a second launch (no counter buffer): one block per tile.
+template <typename T, int MT>
+__global__ void __launch_bounds__(kThreads) gemm_fold_kernel(const Params p) {
+  fold_partials<T, MT>(p, blockIdx.y, blockIdx.x);
+}
+
+template <typename K>
+void opt_in_smem(K kernel, int bytes, bool& done) {
+  if (done) return;
+  check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes),
+             "gemm_invariant: shared memory opt-in");
+  done = true;
+}
+
+template <typename T, int MT>
+void launch(Params p, bool split, cudaStream_t stream) {
+  using S = Shape<MT>;
+  p.m_tiles = ceil_div(p.m, MT);
+  if (!split) {
+    auto kernel = gemm_tiled_kernel<T, MT>;
+    static bool opted_in = false;  // per instantiation, as gemv
+    opt_in_smem(kernel, S::kSmemBytes, opted_in);
+    const std::int64_t blocks = static_cast<std::int64_t>(p.m_tiles) * p.n_tiles;
+    kernel<<<static_cast<unsigned>(blocks), kThreads, S::kSmemBytes, stream>>>(p);
+    check_launch("gemm_tiled_kernel");
+    return;
+  }
+  auto kernel = gemm_split_kernel<T, MT>;
+  static bool opted_in = false;
+  opt_in_smem(kernel, S::kSmemBytes, opted_in);
+  kernel<<<dim3(p.chunks, p.n_tiles, p.m_tiles), kThreads, S::kSmemBytes, stream>>>(p);
+  check_launch("gemm_split_kernel");
+  if (p.counters == nullptr) {
+    gemm_fold_kernel<T, MT><<<dim3(p.n_tiles, p.m_tiles), kThreads, 0, stream>>>(p);
+    check_launch("gemm_fold_kernel");
+  }
+}
+
+// Rows per block: the smallest of 16, 32, 64 that holds M, else 128 (kGemmInvariantTile).
+template <typename T>
+void dispatch_rows(const Params& p, bool split, cudaStream_t stream) {
+  if (p.m <= 16) return launch<T, 16>(p, split, stream);
+  if (p.m <= 32) return launch<T, 32>(p, split, stream);
+  if (p.m <= 64) return launch<T, 64>(p, split, stream);
+  launch<T, 128>(p, split, stream);
+}
+
+int block_rows(std::int64_t rows) { return rows <= 16 ? 16 : rows <= 32 ? 32 : rows <= 64 ? 64 : 128; }
+
+bool resolve_split(std::int64_t rows, GemmInvariantPath path) {
+  if (path == GemmInvariantPath::kAuto) return rows <= kGemmInvariantSplitMaxRows;
+  return path == GemmInvariantPath::kSplit;
+}
+
+void check_shape(std::int64_t rows, std::int64_t n_out, std::int64_t k_in) {
+  require(rows >= 1 && n_out >= 1 && k_in >= 1, "gemm_invariant: empty shape");
+  require(n_out % 8 == 0 && k_in % 8 == 0, "gemm_invariant: N and K must be multiples of 8");
+  require(rows < (1LL << 31) && n_out < (1LL << 31) && k_in < (1LL << 31),
+          "gemm_invariant: sizes too large");
+}
+
+}  // namespace
+
+std::int64_t gemm_invariant_workspace(std::int64_t rows, std::int64_t n_out, std::int64_t k_in,
+                                      GemmInvariantPath path) {
+  check_shape(rows, n_out, k_in);
+  if (!resolve_split(rows, path)) return 0;
+  const std::int64_t chunks = (k_in + kChunk - 1) / kChunk;
+  return chunks * rows * n_out * static_cast<std::int64_t>(sizeof(float));
+}
+
+std::int64_t gemm_invariant_counters(std::int64_t rows, std::int64_t n_out,
+                                     GemmInvariantPath path) {
+  require(rows >= 1 && n_out >= 1, "gemm_invariant: empty shape");
+  if (!resolve_split(rows, path)) return 0;
+  return ((rows + block_rows(rows) - 1) / block_rows(rows)) * ((n_out + kNT - 1) / kNT);
+}
+
+void gemm_invariant(std::uintptr_t y, std::uintptr_t x, std::uintptr_t w, std::int64_t rows,
+                    std::int64_t n_out, std::int64_t k_in, DType dtype, std::uintptr_t workspace,
+                    std::int64_t workspace_bytes, std::uintptr_t stream,
+                    GemmInvariantPath path, std::uintptr_t counters) {
+  require(dtype == DType::kF16 || dtype == DType::kBF16,
+          "gemm_invariant: dtype must be float16 or bfloat16");
+  check_shape(rows, n_out, k_in);
+  require(x % 16 == 0 && w % 16 == 0 && y % 16 == 0,
+          "gemm_invariant: x, w and y must be 16-byte aligned");
+  const bool split = resolve_split(rows, path);
+  const std::int64_t need = gemm_invariant_workspace(rows, n_out, k_in, path);
+  require(workspace_bytes >= need, "gemm_invariant: workspace too small (" +
+                                       std::to_string(workspace_bytes) + " < " +
+                                       std::to_string(need) + " bytes)");
+  require(!split || workspace % 16 == 0, "gemm_invariant: workspace must be 16-byte aligned");
+  require(counters % 4 == 0, "gemm_invariant: counters must be 4-byte aligned");
+  Params p{};
+  p.y = reinterpret_cast<void*>(y);
+  p.x = reinterpret_cast<const void*>(x);
+  p.w = reinterpret_cast<const void*>(w);
+  p.partial = reinterpret_cast<float*>(workspace);
+  p.counters = reinterpret_cast<int*>(counters);
+  p.m = static_cast<int>(rows);
+  p.n = static_cast<int>(n_out);
+  p.k = static_cast<int>(k_in);
+  p.n_tiles = ceil_div(n_out, kNT);
+  p.k_tiles = ceil_div(k_in, kBK);
+  p.chunks = ceil_div(k_in, kChunk);
+  const std::int64_t m_tiles = ceil_div(rows, block_rows(rows));
+  if (split) {
+    require(p.n_tiles <= 65535 && m_tiles <= 65535, "gemm_invariant: too many tiles to split");
+  } else {
+    require(m_tiles * p.n_tiles < (1LL << 31), "gemm_invariant: too many tiles");
+  }
+  if (dtype == DType::kF16) {
+    dispatch_rows<__half>(p, split, as_stream(stream));
+  } else {
+    dispatch_rows<__nv_bfloat16>(p, split, as_stream(stream));
+  }
+}
+
+}  // namespace cuda
+}  // namespace turbomq

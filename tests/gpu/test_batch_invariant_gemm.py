@@ -1,0 +1,190 @@
+"""The batch-invariant GEMM (native/cuda/gemm_invariant.cu, ops.linear_invariant):
+within tolerance of the chunked reference and of cuBLAS, and bit-identical
+row by row whatever the batch: a row alone, the first rows, gathered
+subsets (rows at new positions), the same rows among random others, sizes
+either side of the split/tiled switch, both launch shapes forced, the fold
+in the last block or in a second kernel, eager or replayed in a CUDA graph.
+
+Skipped, with the reason, where there is no CUDA device or turbomq._native was
+built without CUDA (TURBOMQ_CUDA=ON)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from turbomq.worker.model.ops import cuda as cuda_ops
+from turbomq.worker.model.ops import reference as ref
+
+_REASON = cuda_ops.unavailable_reason()
+if _REASON is not None:
+    pytest.skip(f"CUDA kernel tests skipped: {_REASON}", allow_module_level=True)
+
+DEV = torch.device("cuda")
+# ||out - ref|| / ||ref||: one rounding to the storage dtype plus fp32 noise.
+TOL = {torch.bfloat16: 1e-2, torch.float16: 3e-3}
+DTYPES = [torch.bfloat16, torch.float16]
+# Llama-3-8B's projections (qkv, o, gate_up, down, LM head) as (N, K).
+SHAPES = [(4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]
+ROWS = [1, 3, 16, 64, 65, 200, 1024, 4096]
+MAX_MACS = 6e11  # rows x N x K per case: keeps the reference's float32 matmul quick
+
+
+@pytest.fixture
+def gen():
+    """A fresh seed per test, printed so a failure can be replayed."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"seed={seed}")
+    g = torch.Generator(device=DEV)
+    g.manual_seed(seed)
+    return g
+
+
+def rel_err(out: torch.Tensor, expect: torch.Tensor) -> float:
+    out, expect = out.double(), expect.double()
+    assert torch.isfinite(out).all(), "non-finite output (unwritten or bad element)"
+    return ((out - expect).norm() / expect.norm().clamp_min(1e-30)).item()
+
+
+def randn(shape, dtype, gen, scale=1.0):
+    return (torch.randn(shape, generator=gen, device=DEV, dtype=torch.float32) * scale).to(dtype)
+
+
+def poisoned(shape, dtype):
+    return torch.full(shape, float("nan"), dtype=dtype, device=DEV)
+
+
+def assert_rows_equal(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    same = (got.view(torch.int16) == want.view(torch.int16)).all(dim=-1)
+    bad = (~same).nonzero().flatten().tolist()
+    assert not bad, f"{what}: {len(bad)} rows differ, first {bad[:8]}"
+
+
+def test_constants_match_the_reference():
+    k = cuda_ops._k
+    assert k.GEMM_INVARIANT_CHUNK == ref.INVARIANT_CHUNK
+    assert k.gemm_invariant_workspace(3, 4096, 4096, k.GemmInvariantPath.TILED) == 0
+    assert k.gemm_invariant_workspace(3, 4096, 4104, k.GemmInvariantPath.SPLIT) == 9 * 3 * 4096 * 4
+    with pytest.raises(ValueError):
+        k.gemm_invariant_workspace(3, 4100, 4096)  # N not a multiple of 8
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("rows", ROWS)
+def test_matches_reference(dtype, rows, n, k, gen):
+    if rows * n * k > MAX_MACS:
+        pytest.skip("too large for a quick reference")
+    x = randn((rows, k), dtype, gen)
+    w = randn((n, k), dtype, gen, 0.02)
+    out = poisoned((rows, n), dtype)
+    got = cuda_ops.linear_invariant(x, w, out=out)
+    assert got is out
+    assert rel_err(got, ref.linear_invariant(x, w)) < TOL[dtype]
+    assert rel_err(got, F.linear(x, w)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,n,k", [(1, 520, 1032), (37, 520, 1032), (200, 1000, 8),
+                                      (65, 136, 11008), (300, 8, 520)])
+def test_odd_shapes(dtype, rows, n, k, gen):
+    """N not a multiple of the 128-column tile, K not a multiple of the
+    chunk (a short last chunk) or of the 64-wide k tile."""
+    x = randn((rows, k), dtype, gen)
+    w = randn((n, k), dtype, gen, 0.05)
+    tiled = cuda_ops.linear_invariant(x, w, out=poisoned((rows, n), dtype), path="tiled")
+    split = cuda_ops.linear_invariant(x, w, out=poisoned((rows, n), dtype), path="split")
+    assert rel_err(tiled, ref.linear_invariant(x, w)) < TOL[dtype]
+    assert torch.equal(tiled.view(torch.int16), split.view(torch.int16))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,k", [(4096, 4096), (6144, 4096), (4096, 14336)])
+def test_rows_bit_identical_whatever_the_batch(dtype, n, k, gen):
+    total = 4096
+    x = randn((total, k), dtype, gen)
+    w = randn((n, k), dtype, gen, 0.02)
+    full = cuda_ops.linear_invariant(x, w)
+    # Leading rows, sizes either side of the split / tiled switch and of the
+    # 16 / 32 / 64 / 128-row tiles.
+    for rows in (1, 2, 8, 15, 16, 17, 33, 63, 64, 65, 127, 128, 129, 200, 1000):
+        assert_rows_equal(cuda_ops.linear_invariant(x[:rows], w), full[:rows], f"first {rows} rows")
+    perm = torch.randperm(total, generator=gen, device=DEV)
+    for rows in (1, 7, 64, 65, 300):
+        idx = perm[:rows]
+        # Gathered: each row sits at a new position in a smaller batch.
+        assert_rows_equal(cuda_ops.linear_invariant(x[idx], w), full[idx], f"{rows} gathered rows")
+        # In place among random rows: same positions, other neighbours.
+        size = int(idx.max().item()) + 1
+        mixed = randn((size, k), dtype, gen, 10.0)
+        mixed[idx] = x[idx]
+        got = cuda_ops.linear_invariant(mixed, w)
+        assert_rows_equal(got[idx], full[idx], f"{rows} rows among {size} random ones")
+    # A row alone anywhere in the batch.
+    for r in (0, 1, 17, 4095):
+        assert_rows_equal(cuda_ops.linear_invariant(x[r:r + 1], w), full[r:r + 1], f"row {r} alone")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 32, 33, 64, 65, 128, 200])
+def test_launch_shapes_agree(dtype, rows, gen):
+    """Split (fold in the last block, or in a second kernel) and tiled give
+    the same bits at every row count."""
+    n, k = 1536, 4096
+    x = randn((rows, k), dtype, gen)
+    w = randn((n, k), dtype, gen, 0.02)
+    tiled = cuda_ops.linear_invariant(x, w, out=poisoned((rows, n), dtype), path="tiled")
+    fused = cuda_ops.linear_invariant(x, w, out=poisoned((rows, n), dtype), path="split")
+    apart = cuda_ops.linear_invariant(x, w, out=poisoned((rows, n), dtype), path="split",
+                                      fused_fold=False)
+    assert_rows_equal(fused, tiled, "split vs tiled")
+    assert_rows_equal(apart, tiled, "split (second kernel) vs tiled")
+    again = cuda_ops.linear_invariant(x, w, path="split")  # counters were left at zero
+    assert_rows_equal(again, tiled, "split, second call")
+
+
+def test_rows_as_leading_dims_and_views(gen):
+    dtype, n, k = torch.bfloat16, 1024, 2048
+    w = randn((n, k), dtype, gen, 0.02)
+    x = randn((2, 5, k), dtype, gen)
+    got = cuda_ops.linear_invariant(x, w)
+    assert got.shape == (2, 5, n)
+    assert_rows_equal(got.reshape(10, n), cuda_ops.linear_invariant(x.reshape(10, k), w), "3-d")
+    wide = randn((10, 2 * k), dtype, gen)
+    view = wide[:, 8:8 + k]  # strided rows, offset start: copied before the launch
+    assert_rows_equal(cuda_ops.linear_invariant(view, w),
+                      cuda_ops.linear_invariant(view.contiguous(), w), "strided view")
+
+
+@pytest.mark.parametrize("rows", [1, 8, 64, 96, 1024])
+def test_graph_replay(rows, gen):
+    """Captured once, replayed with fresh inputs: equal to eager calls (the
+    split shape's counters are back at zero after every replay)."""
+    dtype, n, k = torch.bfloat16, 6144, 4096
+    w = randn((n, k), dtype, gen, 0.02)
+    x = randn((rows, k), dtype, gen)
+    cuda_ops.linear_invariant(x, w)  # warm-up: workspace and counters exist
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        cuda_ops.linear_invariant(x, w)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = cuda_ops.linear_invariant(x, w)
+    for _ in range(3):
+        x.copy_(randn((rows, k), dtype, gen))
+        out.fill_(float("nan"))
+        graph.replay()
+        assert_rows_equal(out, cuda_ops.linear_invariant(x, w), "replay vs eager")
+
+
+def test_unsupported_inputs_fall_back_to_reference(gen):
+    x = randn((3, 100), torch.float32, gen)
+    w = randn((64, 100), torch.float32, gen)
+    assert torch.equal(cuda_ops.linear_invariant(x, w), ref.linear_invariant(x, w))
+    xb, wb = x.bfloat16(), randn((60, 100), torch.bfloat16, gen)  # N, K not multiples of 8
+    assert torch.equal(cuda_ops.linear_invariant(xb, wb), ref.linear_invariant(xb, wb))

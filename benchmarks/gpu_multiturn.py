@@ -223,7 +223,7 @@ def main() -> None:
     ap.add_argument("--user-max", type=int, default=500)
     ap.add_argument("--output-tokens", type=int, default=80)
     ap.add_argument("--pool-share", type=float, default=0.65)
-    ap.add_argument("--step-tokens", type=int, default=2048, help="max_num_batched_tokens")
+    ap.add_argument("--step-tokens", type=int, default=8192, help="max_num_batched_tokens")
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cuda")

@@ -31,9 +31,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=64, help="tokens per KV block")
     p.add_argument("--num-kv-blocks", type=int, default=None,
                    help="KV pool size in blocks (default: sized from memory)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
-                   help="token budget of one step: prefill is chunked to fit beside the decodes "
-                        "(default: 2048 on cuda, 512 on cpu)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=512, metavar="N",
+                   help="token budget of one step: prefill is chunked to fit beside the decodes")
     p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                    help="split each layer over N devices: --device and the N-1 after it")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",

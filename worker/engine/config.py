@@ -17,11 +17,12 @@ class EngineConfig:
     num_kv_blocks: Optional[int] = None  # None: sized from memory
     kv_cache_fraction: float = 0.9  # of free device memory after weights (CUDA)
     kv_dtype: str = "auto"  # auto | fp16 | bf16 | fp32 | int8
-    # Token budget of one step (chunked prefill). None: 512 on the CPU; 2048
-    # on CUDA, where a step of 2k prefill tokens beside a full decode batch
-    # still takes tens of ms, and a burst of new turns clears four times
-    # sooner than at 512 (docs/benchmarks/multiturn.md).
-    max_num_batched_tokens: Optional[int] = None
+    # Token budget of one step (chunked prefill). A step with prefill runs
+    # without a CUDA graph and takes as long as its tokens: a small budget
+    # keeps both the decodes' inter-token gaps and a new turn's wait short
+    # (a 2048 budget doubled the later-turn TTFT p50 of the multi-turn
+    # service benchmark, docs/benchmarks/multiturn.md).
+    max_num_batched_tokens: int = 512
     max_model_len: Optional[int] = None  # None: the model's max_position_embeddings
     alloc_policy: str = "on_demand"  # upfront | on_demand | reserved
     reserved_tokens: int = 64
@@ -40,9 +41,3 @@ class EngineConfig:
     # Ranks (devices) each layer is split over; rank 0 runs in this process on
     # `device`, rank r on the device r after it (engine/ranks.py).
     tensor_parallel: int = 1
-
-    @property
-    def step_token_budget(self) -> int:
-        if self.max_num_batched_tokens is not None:
-            return self.max_num_batched_tokens
-        return 2048 if self.device.startswith("cuda") else 512

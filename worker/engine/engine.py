@@ -144,7 +144,7 @@ class Engine:
         self.host_tier = self._host_tier()
         self.scheduler = Scheduler(SchedulerConfig(
             max_batch_size=config.max_batch_size,
-            max_num_batched_tokens=config.step_token_budget,
+            max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len, block_size=config.block_size,
             alloc_policy=AllocPolicy(config.alloc_policy),
             reserved_tokens=config.reserved_tokens, prefix_caching=config.prefix_caching,

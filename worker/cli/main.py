@@ -40,6 +40,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host-kv-blocks", type=int, default=None, metavar="N",
                    help="host-RAM KV tier size in blocks (default: from free RAM on cuda, "
                         "none on cpu; 0: off)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="batch-invariant kernels: the same tokens whatever the batch, chunking "
+                        "or eviction (docs/determinism.md)")
 
 
 def _engine_config(args: argparse.Namespace):
@@ -49,7 +52,7 @@ def _engine_config(args: argparse.Namespace):
                         block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         tensor_parallel=args.tensor_parallel, prefix_caching=args.prefix_caching,
-                        host_kv_blocks=args.host_kv_blocks)
+                        host_kv_blocks=args.host_kv_blocks, deterministic=args.deterministic)
 
 
 def _setup_logging(level: str) -> None:
@@ -100,6 +103,8 @@ def cmd_up(args: argparse.Namespace) -> int:
             worker_args += ["--" + flag.replace("_", "-"), str(value)]
     if not args.prefix_caching:
         worker_args.append("--no-prefix-caching")
+    if args.deterministic:
+        worker_args.append("--deterministic")
     config = UpConfig(model=args.model, workers=workers, brokers=args.brokers, front=front,
                       curve=args.curve, gateway_port=args.gateway_port,
                       redis_url=args.redis_url or None, device=device,
@@ -328,6 +333,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host-kv-blocks", type=int, default=None, metavar="N",
                    help="host-RAM KV tier of each worker, in blocks (0: off)")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false")
+    p.add_argument("--deterministic", action="store_true",
+                   help="batch-invariant kernels on every worker (docs/determinism.md)")
     p.add_argument("--curve", action="store_true",
                    help="CurveZMQ on every link, with keys made for this run (docs/security.md)")
     p.add_argument("--gateway-port", type=int, default=None, metavar="P",

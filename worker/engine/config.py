@@ -41,3 +41,8 @@ class EngineConfig:
     # Ranks (devices) each layer is split over; rank 0 runs in this process on
     # `device`, rank r on the device r after it (engine/ranks.py).
     tensor_parallel: int = 1
+    # Batch-invariant kernels (docs/determinism.md): a request's tokens are the
+    # same bits whatever else shares its steps, however its prompt is chunked,
+    # and whether its KV was resident, evicted and re-prefilled, or rebuilt on
+    # another worker. One device only.
+    deterministic: bool = False

@@ -112,6 +112,12 @@ class Engine:
         self.config = config
         if config.tensor_parallel < 1:
             raise ValueError("tensor_parallel must be >= 1")
+        if config.deterministic and config.tensor_parallel > 1:
+            raise ValueError("deterministic mode runs on one device: the all-reduce of tensor "
+                             "parallelism does not promise a fixed summation order")
+        if model is not None and model.deterministic != config.deterministic:
+            raise ValueError(f"the injected model was built with deterministic="
+                             f"{model.deterministic}, the config asks for {config.deterministic}")
         self.ranks: Optional[ranks.Ranks] = None
         checkpoint = None
         if model is None:

@@ -68,7 +68,8 @@ class ModelRunner:
             checkpoint = checkpoint or load_checkpoint(config.model)
             dtype = (parse_dtype(config.dtype) if config.dtype
                      else checkpoint.gpu_dtype if self.device.type == "cuda" else None)
-            model = LlamaModel(checkpoint.config, checkpoint.tensors, self.device, dtype, tp=tp)
+            model = LlamaModel(checkpoint.config, checkpoint.tensors, self.device, dtype, tp=tp,
+                               deterministic=config.deterministic)
             del checkpoint
         self.model = model
         mc = model.config

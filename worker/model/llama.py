@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from .parallel import TensorParallel
 from .kv_cache import PagedKVCache
 from .ops import AttentionBatch, ops_for
+from .ops.invariant import InvariantOps
 from .rotary import cos_sin_table
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
@@ -37,8 +38,11 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
 class LlamaModel:
     def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor],
                  device: torch.device | str = "cpu", dtype: Optional[torch.dtype] = None,
-                 tp: Optional["TensorParallel"] = None):
-        """With `tp`, this rank's slice of each layer (model/parallel.py)."""
+                 tp: Optional["TensorParallel"] = None, deterministic: bool = False):
+        """With `tp`, this rank's slice of each layer (model/parallel.py).
+        `deterministic`: batch-invariant ops (ops/invariant.py), so a token's
+        logits do not depend on the rest of the batch. Tensors already on
+        `device` in `dtype` are shared, not copied."""
         self.config = config
         self.tp = tp
         ranks = tp.size if tp is not None else 1
@@ -46,7 +50,8 @@ class LlamaModel:
         self.num_kv_heads = config.num_kv_heads // ranks
         self.device = torch.device(device)
         self.dtype = dtype or parse_dtype(config.torch_dtype)
-        self.ops = ops_for(self.device)
+        self.deterministic = deterministic
+        self.ops = InvariantOps(ops_for(self.device)) if deterministic else ops_for(self.device)
         moved: dict[int, torch.Tensor] = {}  # keeps tied tensors shared after the move
 
         def take(name: str) -> torch.Tensor:

@@ -1,0 +1,73 @@
+"""Batch-invariant ops for deterministic mode (docs/determinism.md): the
+op signatures the model calls, each row's result bit for bit independent
+of the other rows in the step, of how many there are, and of whether its
+token is computed in a prefill chunk or a decode step.
+
+- linear: the batch-invariant GEMM (K in fixed chunks summed in a fixed
+  order; the same sums for one row or thousands), with the norm, silu_mul
+  and residual add as separate row-wise kernels around it: the fused decode
+  GEMVs reduce in another order than the GEMM, so a token would come out
+  differently decoded than prefilled;
+- attention: the paged-attention kernel with a fixed split-K partition of
+  PARTITION_KEYS keys. Partition boundaries then sit at fixed positions of
+  the context, whatever the batch, and partitions are combined in index
+  order; keys a row may not see add exact zeros. (The default plans the
+  partition from the batch's grid.)
+- rms_norm, rotary, the KV write, silu_mul: one row or element at a time
+  already.
+
+On the CPU the same structure runs on the reference ops."""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Optional
+
+import torch
+
+from .attention_batch import AttentionBatch
+from .layer_kv import LayerKV
+
+# Keys per split-K partition of attention. Small enough that a long context
+# still spreads over many blocks at batch 1, large enough that a prefill's
+# partials stay few.
+PARTITION_KEYS = 256
+
+
+class InvariantOps:
+    """The model's ops on `base` (the cuda or reference module), batch-invariant."""
+
+    def __init__(self, base: ModuleType) -> None:
+        self.base = base
+        self.native = base.__name__.rsplit(".", 1)[-1] == "cuda"
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, *,
+               norm: Optional[tuple[torch.Tensor, float]] = None, silu: bool = False,
+               residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+        b = self.base
+        if norm is not None:
+            x = b.rms_norm(x, norm[0], norm[1])
+        y = b.linear_invariant(x, weight)
+        if silu:
+            y = b.silu_mul(y)
+        if residual is not None:
+            return residual.add_(y)
+        return y
+
+    def qkv_rotary_write_kv(self, x: torch.Tensor, weight: torch.Tensor,
+                            norm: tuple[torch.Tensor, float], positions: torch.Tensor,
+                            cos_sin: torch.Tensor, kv: LayerKV, slot_mapping: torch.Tensor,
+                            num_heads: int) -> torch.Tensor:
+        t = x.shape[0]
+        nkv, d = kv.k.shape[1], kv.k.shape[3]
+        qkv = self.linear(x, weight, norm=norm)
+        q, k, v = qkv.split([num_heads * d, nkv * d, nkv * d], dim=-1)
+        return self.base.rotary_write_kv(q.reshape(t, num_heads, d), k.reshape(t, nkv, d),
+                                         v.reshape(t, nkv, d), positions, cos_sin, kv,
+                                         slot_mapping)
+
+    def paged_attention(self, q: torch.Tensor, kv: LayerKV, batch: AttentionBatch,
+                        scale: float) -> torch.Tensor:
+        if self.native:
+            return self.base.paged_attention(q, kv, batch, scale, partition_size=PARTITION_KEYS)
+        return self.base.paged_attention(q, kv, batch, scale)

@@ -449,11 +449,15 @@ def _attention_native(q: torch.Tensor, kv: LayerKV) -> bool:
 def paged_attention(q: torch.Tensor, kv: LayerKV, batch: AttentionBatch, scale: float, *,
                     out: Optional[torch.Tensor] = None,
                     partition_size: Optional[int] = None,
-                    fused_combine: Optional[bool] = None) -> torch.Tensor:
+                    fused_combine: Optional[bool] = None,
+                    always_combine: bool = False) -> torch.Tensor:
     """As reference.paged_attention. `partition_size` forces the split-K
     partition (a multiple of 64 keys); by default it is planned from the grid.
     `fused_combine` (default FUSED_SPLITK_COMBINE) combines the partitions in
-    the attention kernel itself rather than in a second launch."""
+    the attention kernel itself rather than in a second launch.
+    `always_combine` takes the split-K path even when one partition would
+    hold every key (a partition's output is normalized again when combined,
+    so a row must take the same path whatever the batch's longest context)."""
     if not _attention_native(q, kv) or q.shape[0] == 0:
         return reference.paged_attention(q, kv, batch, scale)
     t, nh, d = q.shape
@@ -464,6 +468,8 @@ def paged_attention(q: torch.Tensor, kv: LayerKV, batch: AttentionBatch, scale: 
     part_size, parts = plan_partitions(num_tiles * nkv, batch.max_context_len,
                                        _sm_count(q.device), partition_size,
                                        int8=kv.k.dtype == torch.int8)
+    if always_combine:
+        parts = max(parts, 2)  # the second partition holds no key: the combine skips it
     rows = _k.ATTENTION_TILE_ROWS
     if parts > 1:
         part_o = torch.empty(num_tiles * nkv * parts * rows * d, dtype=torch.float32, device=q.device)

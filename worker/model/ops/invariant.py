@@ -9,10 +9,12 @@ token is computed in a prefill chunk or a decode step.
   GEMVs reduce in another order than the GEMM, so a token would come out
   differently decoded than prefilled;
 - attention: the paged-attention kernel with a fixed split-K partition of
-  PARTITION_KEYS keys. Partition boundaries then sit at fixed positions of
-  the context, whatever the batch, and partitions are combined in index
-  order; keys a row may not see add exact zeros. (The default plans the
-  partition from the batch's grid.)
+  PARTITION_KEYS keys, always combined (also when one partition would do:
+  the combine normalizes a partition's output again). Partition boundaries
+  then sit at fixed positions of the context, whatever the batch, and
+  partitions are combined in index order; partitions and keys a row may not
+  see add exact zeros. (The default plans the partition from the batch's
+  grid and skips the combine when it can.)
 - rms_norm, rotary, the KV write, silu_mul: one row or element at a time
   already.
 
@@ -69,5 +71,6 @@ class InvariantOps:
     def paged_attention(self, q: torch.Tensor, kv: LayerKV, batch: AttentionBatch,
                         scale: float) -> torch.Tensor:
         if self.native:
-            return self.base.paged_attention(q, kv, batch, scale, partition_size=PARTITION_KEYS)
+            return self.base.paged_attention(q, kv, batch, scale, partition_size=PARTITION_KEYS,
+                                             always_combine=True)
         return self.base.paged_attention(q, kv, batch, scale)

@@ -67,3 +67,19 @@ def test_tokens_equal_a_cache_free_engine_under_pressure(kv_dtype):
 
 def test_the_tier_is_off_on_the_cpu_by_default():
     assert engine(num_kv_blocks=10).host_tier is None
+
+
+def test_a_loaded_block_leaves_the_tier_and_its_slot_frees_after_the_step():
+    from turbomq.worker.engine.host_tier import HostTier
+
+    tier = HostTier(2)
+    a, b = tier.store(10), tier.store(11)
+    assert {a, b} == {0, 1} and tier.store(10) is None  # held already: touched, no copy
+    assert tier.lookup_chain([10, 11, 12]) == [a, b]
+    tier.take([10])  # being loaded this step
+    assert tier.lookup_chain([10]) == [] and len(tier) == 1 and tier.loaded_blocks == 1
+    # while the load runs its slot is not reused: the LRU block's slot is
+    assert tier.store(12) == b and tier.lookup_chain([11]) == []
+    tier.end_step()
+    assert tier.store(13) == a  # free again from the next step
+    assert tier.stats()["host_tier_blocks_used"] == 2 and tier.stored_blocks == 4

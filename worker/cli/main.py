@@ -43,6 +43,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--deterministic", action="store_true",
                    help="batch-invariant kernels: the same tokens whatever the batch, chunking "
                         "or eviction (docs/determinism.md)")
+    p.add_argument("--quantization", choices=["fp8"], default=None,
+                   help="fp8: the layers' projections in E4M3 with per-channel scales, converted "
+                        "at load (docs/weights.md)")
 
 
 def _engine_config(args: argparse.Namespace):
@@ -52,7 +55,8 @@ def _engine_config(args: argparse.Namespace):
                         block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         tensor_parallel=args.tensor_parallel, prefix_caching=args.prefix_caching,
-                        host_kv_blocks=args.host_kv_blocks, deterministic=args.deterministic)
+                        host_kv_blocks=args.host_kv_blocks, deterministic=args.deterministic,
+                        quantization=args.quantization)
 
 
 def _setup_logging(level: str) -> None:
@@ -97,7 +101,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     device, workers = resolve_device(args.device, args.workers)
     worker_args = []
     for flag in ("dtype", "kv_dtype", "max_batch_size", "block_size", "num_kv_blocks",
-                 "max_num_batched_tokens", "host_kv_blocks"):
+                 "max_num_batched_tokens", "host_kv_blocks", "quantization"):
         value = getattr(args, flag)
         if value is not None:
             worker_args += ["--" + flag.replace("_", "-"), str(value)]
@@ -335,6 +339,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false")
     p.add_argument("--deterministic", action="store_true",
                    help="batch-invariant kernels on every worker (docs/determinism.md)")
+    p.add_argument("--quantization", choices=["fp8"], default=None,
+                   help="fp8 weights on every worker (docs/weights.md)")
     p.add_argument("--curve", action="store_true",
                    help="CurveZMQ on every link, with keys made for this run (docs/security.md)")
     p.add_argument("--gateway-port", type=int, default=None, metavar="P",

@@ -46,3 +46,6 @@ class EngineConfig:
     # and whether its KV was resident, evicted and re-prefilled, or rebuilt on
     # another worker. One device only.
     deterministic: bool = False
+    # "fp8": the layers' projections in E4M3 with per-channel scales, converted
+    # at load; activations quantized per token (docs/weights.md, "FP8").
+    quantization: Optional[str] = None

@@ -115,9 +115,11 @@ class Engine:
         if config.deterministic and config.tensor_parallel > 1:
             raise ValueError("deterministic mode runs on one device: the all-reduce of tensor "
                              "parallelism does not promise a fixed summation order")
-        if model is not None and model.deterministic != config.deterministic:
+        if model is not None and (model.deterministic, model.quantization) != (
+                config.deterministic, config.quantization):
             raise ValueError(f"the injected model was built with deterministic="
-                             f"{model.deterministic}, the config asks for {config.deterministic}")
+                             f"{model.deterministic}, quantization={model.quantization}; the "
+                             f"config asks for {config.deterministic}, {config.quantization}")
         self.ranks: Optional[ranks.Ranks] = None
         checkpoint = None
         if model is None:

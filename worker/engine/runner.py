@@ -69,7 +69,8 @@ class ModelRunner:
             dtype = (parse_dtype(config.dtype) if config.dtype
                      else checkpoint.gpu_dtype if self.device.type == "cuda" else None)
             model = LlamaModel(checkpoint.config, checkpoint.tensors, self.device, dtype, tp=tp,
-                               deterministic=config.deterministic)
+                               deterministic=config.deterministic,
+                               quantization=config.quantization)
             del checkpoint
         self.model = model
         mc = model.config

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from .parallel import TensorParallel
 from .kv_cache import PagedKVCache
 from .ops import AttentionBatch, ops_for
+from .ops.fp8 import QUANTIZATIONS, QUANTIZED, quantize_weight
 from .ops.invariant import InvariantOps
 from .rotary import cos_sin_table
 
@@ -38,10 +39,12 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
 class LlamaModel:
     def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor],
                  device: torch.device | str = "cpu", dtype: Optional[torch.dtype] = None,
-                 tp: Optional["TensorParallel"] = None, deterministic: bool = False):
+                 tp: Optional["TensorParallel"] = None, deterministic: bool = False,
+                 quantization: Optional[str] = None):
         """With `tp`, this rank's slice of each layer (model/parallel.py).
         `deterministic`: batch-invariant ops (ops/invariant.py), so a token's
-        logits do not depend on the rest of the batch. Tensors already on
+        logits do not depend on the rest of the batch. `quantization="fp8"`:
+        the layers' projections in E4M3 with per-channel scales (ops/fp8.py). Tensors already on
         `device` in `dtype` are shared, not copied."""
         self.config = config
         self.tp = tp
@@ -66,6 +69,15 @@ class LlamaModel:
             {k: take(f"layers.{i}.{k}.weight")
              for k in ("attn_norm", "qkv", "o", "mlp_norm", "gate_up", "down")}
             for i in range(config.num_layers)]
+        if quantization not in (None, *QUANTIZATIONS):
+            raise ValueError(f"unknown quantization {quantization!r}; one of {QUANTIZATIONS}")
+        if quantization == "fp8":
+            if deterministic:
+                raise ValueError("deterministic mode runs 16-bit weights, not fp8")
+            for layer in self.layers:
+                for k in QUANTIZED:
+                    layer[k] = quantize_weight(layer[k])
+        self.quantization = quantization
         self.norm = take("norm.weight")
         self.lm_head = take("lm_head.weight")
         self.cos_sin = cos_sin_table(config, config.max_position_embeddings, self.device)

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from .layer_kv import LayerKV
 from . import reference
+from .fp8 import Fp8Weight, fp8_linear_reference, quantize_rows
 from .attention_batch import AttentionBatch
 
 try:
@@ -70,6 +71,11 @@ GEMV_MAX_K = int(os.environ.get("TURBOMQ_GEMV_MAX_K", "8192"))
 # 7.43 ms fused against 6.71 ms apart, so only one row fuses.
 FUSED_GEMV = True
 FUSED_GEMV_MAX_ROWS = 1
+
+
+# FP8 projections run on torch._scaled_mm (cuBLASLt's FP8 GEMM, Hopper and
+# later) where this PyTorch has it.
+_FP8_GEMM = hasattr(torch, "_scaled_mm")
 
 
 def unavailable_reason() -> Optional[str]:
@@ -275,6 +281,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, *,
     launch with the norm, silu_mul or add fused; the rest as cuBLAS plus the
     separate kernels. native=True takes the GEMV up to its own limits
     whatever the policy; False never."""
+    if isinstance(weight, Fp8Weight):
+        return _linear_fp8(x, weight, norm, silu, residual)
     k_in = x.shape[-1]
     rows = x.numel() // k_in if k_in else 0
     fused = norm is not None or silu or residual is not None
@@ -326,7 +334,8 @@ def qkv_rotary_write_kv(x: torch.Tensor, weight: torch.Tensor, norm: tuple[torch
     write behind. Otherwise linear() then rotary_write_kv()."""
     t, k_in = x.shape
     nkv, bs, d = kv.k.shape[1:]
-    fused = (FUSED_GEMV and 0 < t <= FUSED_GEMV_MAX_ROWS and _native_ok(x, weight, kv.k)
+    fused = (FUSED_GEMV and not isinstance(weight, Fp8Weight) and 0 < t <= FUSED_GEMV_MAX_ROWS
+             and _native_ok(x, weight, kv.k)
              and x.dtype in _HALF and weight.dtype == x.dtype and kv.k.dtype == x.dtype
              and norm[0].dtype == x.dtype and norm[0].is_contiguous()
              and norm[0].data_ptr() % 16 == 0 and t * k_in * 2 <= _k.GEMV_SMEM_BYTES
@@ -351,6 +360,28 @@ def qkv_rotary_write_kv(x: torch.Tensor, weight: torch.Tensor, norm: tuple[torch
                          cos_sin.data_ptr(), slots.data_ptr(), kv.k.data_ptr(), kv.v.data_ptr(),
                          num_heads, nkv, d, bs, _DTYPES[x.dtype], _stream(x))
     return out
+
+
+def _linear_fp8(x: torch.Tensor, w: Fp8Weight, norm: Optional[tuple[torch.Tensor, float]],
+                silu: bool, residual: Optional[torch.Tensor]) -> torch.Tensor:
+    """An FP8 projection on Hopper's FP8 tensor cores: x quantized per token,
+    cuBLASLt's FP8 GEMM with both scales applied in its epilogue (row-wise
+    scaling gives bf16; an fp16 model casts). Elsewhere: the reference."""
+    if norm is not None:
+        x = rms_norm(x, norm[0], norm[1])
+    k_in, n_out = x.shape[-1], w.data.shape[0]
+    if not (x.is_cuda and _FP8_GEMM and k_in % 16 == 0 and n_out % 16 == 0):
+        y = fp8_linear_reference(x, w)
+    else:
+        q, sx = quantize_rows(x.reshape(-1, k_in))
+        y = torch._scaled_mm(q, w.data.t(), scale_a=sx, scale_b=w.scale[None, :],
+                             out_dtype=torch.bfloat16)
+        y = y.to(x.dtype).reshape(*x.shape[:-1], n_out)
+    if silu:
+        y = silu_mul(y)
+    if residual is not None:
+        return residual.add_(y)
+    return y
 
 
 def _linear_unfused(x: torch.Tensor, weight: torch.Tensor,

@@ -9,6 +9,7 @@ import torch
 
 from .layer_kv import LayerKV
 from .attention_batch import AttentionBatch
+from .fp8 import Fp8Weight, fp8_linear_reference
 
 INT8_MAX = 127.0
 
@@ -60,13 +61,16 @@ def qkv_rotary_write_kv(x: torch.Tensor, weight: torch.Tensor, norm: tuple[torch
 def linear(x: torch.Tensor, weight: torch.Tensor, *,
            norm: Optional[tuple[torch.Tensor, float]] = None, silu: bool = False,
            residual: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """x @ weight.T (weight [out, in]), as F.linear; with `norm` = (weight,
-    eps) of rms_norm(x) instead of x; with `silu`, silu_mul of the product
+    """x @ weight.T (weight [out, in], or an Fp8Weight), as F.linear; with
+    `norm` = (weight, eps) of rms_norm(x) instead of x; with `silu`, silu_mul of the product
     (weight stacks gate over up); with `residual`, the product is added into
     it in place and it is returned (the residual stream)."""
     if norm is not None:
         x = rms_norm(x, norm[0], norm[1])
-    y = torch.nn.functional.linear(x, weight)
+    if isinstance(weight, Fp8Weight):
+        y = fp8_linear_reference(x, weight)
+    else:
+        y = torch.nn.functional.linear(x, weight)
     if silu:
         y = silu_mul(y)
     if residual is not None:

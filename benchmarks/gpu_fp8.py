@@ -1,0 +1,113 @@
+"""FP8 weights against bf16, in one run on one GPU: a Llama-3-8B-shaped model
+with random bf16 weights (benchmarks/gpu_engine.py) and the same weights
+converted to FP8 at load (`quantization="fp8"`).
+
+Figures, per mode: batch-1 decode tok/s (128-token prompt, 256 generated)
+and offline ShareGPT-like output tok/s (N requests submitted at once); and,
+on the real SmolLM2-135M-Instruct, the FP8 logits' error against bf16 over
+the fixed prompt set of tests/model/test_fp8.py (top-1 agreement, KL).
+
+    python benchmarks/gpu_fp8.py --out DIR [--requests 1000]
+
+Writes fp8.md and fp8.json into DIR (copy them to docs/benchmarks/)."""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "tests"))
+from gpu_engine import (GREEDY, LLAMA3_8B, ceilings, decode_batch1, random_tensors,  # noqa: E402
+                        run_offline, sharegpt_like)
+
+from turbomq.worker import Engine, EngineConfig, SamplingParams  # noqa: E402
+from turbomq.worker.model.llama import LlamaModel  # noqa: E402
+
+
+def real_model_error() -> dict:
+    from helpers import our_logits, smollm2_gguf
+    from test_fp8 import TEXTS
+    from turbomq.worker.engine.tokenizer import Tokenizer
+    from turbomq.worker.model.weights import load_checkpoint
+
+    path = smollm2_gguf()
+    ck, tok = load_checkpoint(path), Tokenizer.from_dir(path)
+    base = LlamaModel(ck.config, ck.tensors, "cuda", torch.bfloat16)
+    fp8 = LlamaModel(ck.config, ck.tensors, "cuda", torch.bfloat16, quantization="fp8")
+    agree = total = 0
+    kls = []
+    for text in TEXTS:
+        ids = torch.tensor(tok.encode(text))
+        a, b = our_logits(base, ids, [len(ids)]).float(), our_logits(fp8, ids, [len(ids)]).float()
+        kls.append(torch.nn.functional.kl_div(b.log_softmax(-1), a.log_softmax(-1),
+                                              log_target=True, reduction="batchmean").item())
+        agree += int((a.argmax(-1) == b.argmax(-1)).sum())
+        total += a.shape[0]
+    return {"top1_agreement": agree / total, "positions": total, "kl_per_prompt": kls}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--requests", type=int, default=1000)
+    ap.add_argument("--max-batch-size", type=int, default=256)
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    cfg = LLAMA3_8B
+    tensors = random_tensors(cfg)
+    work = sharegpt_like(args.requests)
+    results = {"device": torch.cuda.get_device_name(), "requests": args.requests,
+               "ceilings": ceilings(), "modes": {}}
+    for name, quant in (("bf16", None), ("fp8", "fp8")):
+        model = LlamaModel(cfg, tensors, "cuda", torch.bfloat16, quantization=quant)
+        if quant is not None:
+            del tensors  # the FP8 model holds its own copies of the projections
+            gc.collect()
+        engine = Engine(EngineConfig(model="(random weights)", device="cuda",
+                                     max_batch_size=args.max_batch_size, block_size=64,
+                                     kv_cache_fraction=0.8, max_num_batched_tokens=8192,
+                                     max_model_len=16384, quantization=quant), model=model)
+        for copies in (4, 1):  # capture the graphs the timed runs use
+            engine.generate(input_ids=[list(range(1000, 1128))] * copies,
+                            params=SamplingParams(max_tokens=8, **GREEDY))
+        r = {"decode_batch1": decode_batch1(engine, cfg, results["ceilings"])}
+        print(name, "decode", r["decode_batch1"], flush=True)
+        if args.requests:
+            r["offline"] = run_offline(engine, work)
+            print(name, "offline", r["offline"], flush=True)
+        results["modes"][name] = r
+        engine.close()
+        del engine, model
+        gc.collect()
+        torch.cuda.empty_cache()
+    results["real_model_error"] = real_model_error()
+    print("real model", results["real_model_error"], flush=True)
+    (args.out / "fp8.json").write_text(json.dumps(results, indent=2) + "\n")
+    b, f = results["modes"]["bf16"], results["modes"]["fp8"]
+    lines = ["# FP8 weights against bf16", "",
+             f"{results['device']}; Llama-3-8B shape, random weights, bf16 KV, greedy; one run: "
+             "`python benchmarks/gpu_fp8.py --out DIR`.", "",
+             "| figure | bf16 | fp8 | fp8 / bf16 | target |", "| --- | ---: | ---: | ---: | ---: |"]
+    d0, d1 = b["decode_batch1"]["decode_tok_per_s"], f["decode_batch1"]["decode_tok_per_s"]
+    lines.append(f"| batch-1 decode (tok/s) | {d0:,.1f} | {d1:,.1f} | {d1 / d0:.2f} | >= 1.7 |")
+    if "offline" in b:
+        o0, o1 = b["offline"]["output_tok_per_s"], f["offline"]["output_tok_per_s"]
+        lines.append(f"| offline ShareGPT-like, {args.requests} requests (output tok/s) "
+                     f"| {o0:,.0f} | {o1:,.0f} | {o1 / o0:.2f} | >= 1.4 |")
+    e = results["real_model_error"]
+    lines += ["", f"SmolLM2-135M-Instruct, FP8 against bf16 on the GPU over the fixed prompt set: "
+              f"top-1 agreement {e['top1_agreement']:.1%} of {e['positions']} positions, KL per "
+              f"prompt {', '.join(f'{k:.4f}' for k in e['kl_per_prompt'])}."]
+    (args.out / "fp8.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

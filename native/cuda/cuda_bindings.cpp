@@ -31,6 +31,9 @@ void bind_cuda(py::module_& parent) {
         py::arg("k_stride_head"), py::arg("positions"), py::arg("cos_sin"), py::arg("tokens"),
         py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("dtype"),
         py::arg("stream"));
+  m.def("quantize_fp8", &cuda::quantize_fp8, py::arg("q"), py::arg("scale"), py::arg("x"),
+        py::arg("x_stride"), py::arg("norm_weight"), py::arg("rows"), py::arg("hidden"),
+        py::arg("eps"), py::arg("dtype"), py::arg("stream"));
   m.def("silu_mul", &cuda::silu_mul, py::arg("out"), py::arg("gate_up"), py::arg("in_stride"),
         py::arg("tokens"), py::arg("inter"), py::arg("dtype"), py::arg("stream"));
   m.def("write_kv", &cuda::write_kv, py::arg("k_cache"), py::arg("v_cache"), py::arg("k_scale"),

@@ -121,6 +121,15 @@ void gemm_invariant(std::uintptr_t y, std::uintptr_t x, std::uintptr_t w, std::i
                     GemmInvariantPath path = GemmInvariantPath::kAuto,
                     std::uintptr_t counters = 0);
 
+// Per-row FP8 (E4M3) quantization of x [rows, hidden] (rows x_stride elements
+// apart, 16-byte aligned; hidden a multiple of 8), after rms_norm(x,
+// norm_weight, eps) when norm_weight != 0 (exactly rms_norm's result): scale
+// [rows] float32 = max(amax(row) / 448, 1e-12), q [rows, hidden] E4M3 =
+// round-to-nearest-even(row / scale), saturating. The input of an FP8 GEMM.
+void quantize_fp8(std::uintptr_t q, std::uintptr_t scale, std::uintptr_t x, std::int64_t x_stride,
+                  std::uintptr_t norm_weight, std::int64_t rows, std::int64_t hidden, float eps,
+                  DType dtype, std::uintptr_t stream);
+
 // Paged attention over block tables, decode and prefill-with-history alike.
 // A "tile" is up to 16 rows (query token, query head) of one sequence sharing
 // one KV head. tiles: int32 [num_tiles, 2] = (sequence, row tile), or 0 when

@@ -362,18 +362,44 @@ def qkv_rotary_write_kv(x: torch.Tensor, weight: torch.Tensor, norm: tuple[torch
     return out
 
 
+def quantize_fp8(x: torch.Tensor, norm: Optional[tuple[torch.Tensor, float]] = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q [rows, K] E4M3, scale [rows, 1] float32) of rms_norm(x, *norm) (or
+    of x), per row: as reference quantize_rows of that, bit for bit; one
+    launch with the norm fused where the native kernel takes x."""
+    k_in = x.shape[-1]
+    x2 = x.reshape(-1, k_in)
+    ok = (_native_ok(x) and x.dtype in _HALF and k_in % 8 == 0 and x2.stride(1) == 1
+          and _aligned(x2, x2.stride(0))
+          and (norm is None or (norm[0].dtype == x.dtype and norm[0].is_contiguous()
+                                and norm[0].data_ptr() % 16 == 0)))
+    if not ok:
+        if norm is not None:
+            x2 = rms_norm(x2, norm[0], norm[1])
+        return quantize_rows(x2)
+    rows = x2.shape[0]
+    q = torch.empty((rows, k_in), dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
+    with _on_device(x):
+        _k.quantize_fp8(q.data_ptr(), scale.data_ptr(), x2.data_ptr(), x2.stride(0),
+                        norm[0].data_ptr() if norm is not None else 0, rows, k_in,
+                        float(norm[1]) if norm is not None else 0.0, _DTYPES[x.dtype], _stream(x))
+    return q, scale
+
+
 def _linear_fp8(x: torch.Tensor, w: Fp8Weight, norm: Optional[tuple[torch.Tensor, float]],
                 silu: bool, residual: Optional[torch.Tensor]) -> torch.Tensor:
-    """An FP8 projection on Hopper's FP8 tensor cores: x quantized per token,
-    cuBLASLt's FP8 GEMM with both scales applied in its epilogue (row-wise
-    scaling gives bf16; an fp16 model casts). Elsewhere: the reference."""
-    if norm is not None:
-        x = rms_norm(x, norm[0], norm[1])
+    """An FP8 projection on Hopper's FP8 tensor cores: x normalized and
+    quantized per token in one launch, cuBLASLt's FP8 GEMM with both scales
+    applied in its epilogue (row-wise scaling gives bf16; an fp16 model
+    casts). Elsewhere: the reference."""
     k_in, n_out = x.shape[-1], w.data.shape[0]
     if not (x.is_cuda and _FP8_GEMM and k_in % 16 == 0 and n_out % 16 == 0):
+        if norm is not None:
+            x = rms_norm(x, norm[0], norm[1])
         y = fp8_linear_reference(x, w)
     else:
-        q, sx = quantize_rows(x.reshape(-1, k_in))
+        q, sx = quantize_fp8(x, norm)
         y = torch._scaled_mm(q, w.data.t(), scale_a=sx, scale_b=w.scale[None, :],
                              out_dtype=torch.bfloat16)
         y = y.to(x.dtype).reshape(*x.shape[:-1], n_out)

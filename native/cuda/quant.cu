@@ -1,0 +1,111 @@
+// Per-row FP8 (E4M3) quantization of activations, with the layer's RMSNorm
+// in front when it has one: the input of an FP8 projection in one launch.
+// One block per row, three passes over it (it stays in L1/L2): the sum of
+// squares, the largest magnitude of the normalized row, the quantized row.
+// The norm is rms_norm's exactly (the same per-thread order and block
+// reduction, the same two roundings), so the result equals rms_norm followed
+// by the reference's quantize_rows bit for bit: scale = amax / 448 (at least
+// 1e-12), q = e4m3(y / scale) rounded to nearest even, saturating.
+#include <cuda_fp8.h>
+
+#include "common.cuh"
+
+namespace turbomq {
+namespace cuda {
+namespace {
+
+constexpr int kThreads = 256;  // rms_norm's block, so its reduction order
+constexpr float kFp8Max = 448.0f;
+
+__device__ __forceinline__ float block_reduce(float x, bool is_max) {
+  __shared__ float partial[32];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  x = is_max ? warp_max(x) : warp_sum(x);
+  if (lane == 0) partial[warp] = x;
+  __syncthreads();
+  x = lane < kThreads / 32 ? partial[lane] : 0.0f;
+  x = is_max ? warp_max(x) : warp_sum(x);
+  __syncthreads();  // partial is reused by the next reduction
+  return x;
+}
+
+// Vector i of the row after the norm (or as it is), rounded to T.
+template <typename T>
+__device__ __forceinline__ void normalized8(const T* xr, const T* weight, float inv, int i,
+                                            float* f) {
+  unpack8<T>(*reinterpret_cast<const uint4*>(xr + 8 * i), f);
+  if (weight == nullptr) return;
+  float w[8];
+  unpack8<T>(__ldg(reinterpret_cast<const uint4*>(weight) + i), w);
+#pragma unroll
+  for (int e = 0; e < 8; ++e) f[e] = round_to<T>(w[e] * round_to<T>(f[e] * inv));
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+quantize_fp8_kernel(__nv_fp8_e4m3* __restrict__ q, float* __restrict__ scale,
+                    const T* __restrict__ x, std::int64_t x_stride, const T* __restrict__ weight,
+                    int hidden, float eps) {
+  launch_dependents();
+  const std::int64_t row = blockIdx.x;
+  const T* xr = x + row * x_stride;
+  const int nvec = hidden / 8;
+  float inv = 1.0f;
+  if (weight != nullptr) {
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < nvec; i += kThreads) {
+      float f[8];
+      unpack8<T>(*reinterpret_cast<const uint4*>(xr + 8 * i), f);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) ss += f[e] * f[e];
+    }
+    inv = rsqrtf(block_reduce(ss, false) / static_cast<float>(hidden) + eps);
+  }
+  float amax = 0.0f;
+  for (int i = threadIdx.x; i < nvec; i += kThreads) {
+    float f[8];
+    normalized8<T>(xr, weight, inv, i, f);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) amax = fmaxf(amax, fabsf(f[e]));
+  }
+  const float s = fmaxf(block_reduce(amax, true) / kFp8Max, 1e-12f);
+  if (threadIdx.x == 0) scale[row] = s;
+  for (int i = threadIdx.x; i < nvec; i += kThreads) {
+    float f[8];
+    normalized8<T>(xr, weight, inv, i, f);
+    __nv_fp8_e4m3 out[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) out[e] = __nv_fp8_e4m3(__fdiv_rn(f[e], s));  // RNE, saturating
+    *reinterpret_cast<uint2*>(q + row * hidden + 8 * i) = *reinterpret_cast<const uint2*>(out);
+  }
+}
+
+}  // namespace
+
+void quantize_fp8(std::uintptr_t q, std::uintptr_t scale, std::uintptr_t x, std::int64_t x_stride,
+                  std::uintptr_t norm_weight, std::int64_t rows, std::int64_t hidden, float eps,
+                  DType dtype, std::uintptr_t stream) {
+  require(hidden > 0 && hidden % 8 == 0, "quantize_fp8: hidden must be a positive multiple of 8");
+  require(x % 16 == 0 && x_stride % 8 == 0 && q % 8 == 0 && norm_weight % 16 == 0,
+          "quantize_fp8: x rows must be 16-byte aligned, q 8-byte aligned");
+  if (rows == 0) return;
+  const unsigned grid = static_cast<unsigned>(rows);
+  auto* qp = reinterpret_cast<__nv_fp8_e4m3*>(q);
+  auto* sp = reinterpret_cast<float*>(scale);
+  const int h = static_cast<int>(hidden);
+  if (dtype == DType::kBF16) {
+    quantize_fp8_kernel<__nv_bfloat16><<<grid, kThreads, 0, as_stream(stream)>>>(
+        qp, sp, reinterpret_cast<const __nv_bfloat16*>(x), x_stride,
+        reinterpret_cast<const __nv_bfloat16*>(norm_weight), h, eps);
+  } else if (dtype == DType::kF16) {
+    quantize_fp8_kernel<__half><<<grid, kThreads, 0, as_stream(stream)>>>(
+        qp, sp, reinterpret_cast<const __half*>(x), x_stride,
+        reinterpret_cast<const __half*>(norm_weight), h, eps);
+  } else {
+    throw std::invalid_argument("quantize_fp8: x must be fp16 or bf16");
+  }
+  check_launch("quantize_fp8");
+}
+
+}  // namespace cuda
+}  // namespace turbomq

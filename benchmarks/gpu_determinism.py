@@ -25,10 +25,10 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_engine import (GREEDY, LLAMA3_8B, ceilings, decode_batch1, random_tensors,  # noqa: E402
-                        run_offline, sharegpt_like)
+from gpu_engine import (GREEDY, LLAMA3_8B, ab_engine, ceilings, random_tensors,  # noqa: E402
+                        sharegpt_like, speeds)
 
-from turbomq.worker import Engine, EngineConfig, SamplingParams  # noqa: E402
+from turbomq.worker import Engine, SamplingParams  # noqa: E402
 from turbomq.worker.model.llama import LlamaModel  # noqa: E402
 
 
@@ -62,21 +62,10 @@ def main() -> None:
                "ceilings": ceilings(), "modes": {}}
     for name, deterministic in (("default", False), ("deterministic", True)):
         model = LlamaModel(cfg, tensors, "cuda", torch.bfloat16, deterministic=deterministic)
-        engine = Engine(EngineConfig(model="(random weights)", device="cuda",
-                                     max_batch_size=args.max_batch_size, block_size=64,
-                                     kv_cache_fraction=0.8, max_num_batched_tokens=8192,
-                                     max_model_len=16384, deterministic=deterministic),
-                        model=model)
-        for copies in (4, 1):  # capture the graphs the timed runs use
-            engine.generate(input_ids=[list(range(1000, 1128))] * copies,
-                            params=SamplingParams(max_tokens=8, **GREEDY))
+        engine = ab_engine(model, args.max_batch_size, deterministic=deterministic)
         r = {"invariance": invariance(engine, probes, fillers)}
         print(name, "invariance", r["invariance"], flush=True)
-        r["decode_batch1"] = decode_batch1(engine, cfg, results["ceilings"])
-        print(name, "decode", r["decode_batch1"], flush=True)
-        if args.requests:
-            r["offline"] = run_offline(engine, work)
-            print(name, "offline", r["offline"], flush=True)
+        r.update(speeds(engine, cfg, results["ceilings"], work if args.requests else [], name))
         results["modes"][name] = r
         engine.close()
         del engine, model

@@ -148,6 +148,29 @@ def decode_batch1(engine: Engine, cfg: ModelConfig, bandwidth: dict) -> dict:
             "roofline_tok_per_s_copy": bandwidth["copy_GBps"] * 1e9 / nbytes}
 
 
+def ab_engine(model: LlamaModel, max_batch_size: int, **config) -> Engine:
+    """An engine for A/B runs on an injected Llama-3-8B-shaped model, its
+    batch-4 and batch-1 decode graphs captured (none falls in a timed run)."""
+    engine = Engine(EngineConfig(model="(random weights)", device="cuda",
+                                 max_batch_size=max_batch_size, block_size=64,
+                                 kv_cache_fraction=0.8, max_num_batched_tokens=8192,
+                                 max_model_len=16384, **config), model=model)
+    for copies in (4, 1):
+        engine.generate(input_ids=[list(range(1000, 1128))] * copies,
+                        params=SamplingParams(max_tokens=8, **GREEDY))
+    return engine
+
+
+def speeds(engine: Engine, cfg: ModelConfig, bandwidth: dict, work: list, label: str) -> dict:
+    """Batch-1 decode and, given `work`, offline throughput; printed as measured."""
+    r = {"decode_batch1": decode_batch1(engine, cfg, bandwidth)}
+    print(label, "decode", r["decode_batch1"], flush=True)
+    if work:
+        r["offline"] = run_offline(engine, work)
+        print(label, "offline", r["offline"], flush=True)
+    return r
+
+
 def multi_turn(engine: Engine, history_len: int, repeats: int = 3) -> dict:
     """TTFT of a 128-token turn on a session of `history_len` tokens: resident
     (hit), after eviction (miss: re-prefill), and a fresh 128-token prompt.

@@ -24,10 +24,8 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
-from gpu_engine import (GREEDY, LLAMA3_8B, ceilings, decode_batch1, random_tensors,  # noqa: E402
-                        run_offline, sharegpt_like)
+from gpu_engine import LLAMA3_8B, ab_engine, ceilings, random_tensors, sharegpt_like, speeds  # noqa: E402
 
-from turbomq.worker import Engine, EngineConfig, SamplingParams  # noqa: E402
 from turbomq.worker.model.llama import LlamaModel  # noqa: E402
 
 
@@ -70,18 +68,8 @@ def main() -> None:
         if quant is not None:
             del tensors  # the FP8 model holds its own copies of the projections
             gc.collect()
-        engine = Engine(EngineConfig(model="(random weights)", device="cuda",
-                                     max_batch_size=args.max_batch_size, block_size=64,
-                                     kv_cache_fraction=0.8, max_num_batched_tokens=8192,
-                                     max_model_len=16384, quantization=quant), model=model)
-        for copies in (4, 1):  # capture the graphs the timed runs use
-            engine.generate(input_ids=[list(range(1000, 1128))] * copies,
-                            params=SamplingParams(max_tokens=8, **GREEDY))
-        r = {"decode_batch1": decode_batch1(engine, cfg, results["ceilings"])}
-        print(name, "decode", r["decode_batch1"], flush=True)
-        if args.requests:
-            r["offline"] = run_offline(engine, work)
-            print(name, "offline", r["offline"], flush=True)
+        engine = ab_engine(model, args.max_batch_size, quantization=quant)
+        r = speeds(engine, cfg, results["ceilings"], work if args.requests else [], name)
         results["modes"][name] = r
         engine.close()
         del engine, model

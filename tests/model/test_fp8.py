@@ -89,3 +89,94 @@ def test_real_model_answers_the_same_in_fp8():
         out = eng.generate(messages=[[{"role": "user", "content": "What is the capital of France?"}]],
                            params=SamplingParams(max_tokens=12, temperature=0.0))[0]
     assert "Paris" in out.text
+
+
+def write_fp8_checkpoint(src: str, dst, per_tensor: bool = False, method: str = "compressed-tensors"):
+    """`src` (an HF directory) as an FP8 checkpoint of the compressed-tensors
+    (or fbgemm_fp8) form: E4M3 projections, a scale per output channel
+    ([out, 1]) or per tensor, and per-tensor input scales it does not use."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+
+    src, dst = Path(src), Path(dst)
+    shutil.copytree(src, dst)
+    hf = load_file(str(src / "model.safetensors"))
+    for name in [n for n in hf if n.endswith("_proj.weight")]:
+        w = hf[name].float()
+        if per_tensor:
+            scale = (w.abs().max() / FP8_MAX).reshape(1)
+            data = (w / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        else:
+            q = quantize_weight(w)
+            data, scale = q.data, q.scale[:, None]
+        hf[name] = data
+        hf[name[:-len("weight")] + "weight_scale"] = scale.contiguous()
+        hf[name[:-len("weight")] + "input_scale"] = torch.ones(1)
+    (dst / "model.safetensors").unlink()
+    save_file(hf, str(dst / "model.safetensors"))
+    config = json.loads((dst / "config.json").read_text())
+    config["quantization_config"] = (
+        {"quant_method": "fbgemm_fp8"} if method == "fbgemm_fp8" else
+        {"quant_method": "compressed-tensors", "format": "float-quantized",
+         "config_groups": {"group_0": {
+             "weights": {"type": "float", "num_bits": 8,
+                         "strategy": "tensor" if per_tensor else "channel"},
+             "input_activations": {"type": "float", "num_bits": 8, "dynamic": True,
+                                   "strategy": "token"},
+             "targets": ["Linear"]}}})
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+@pytest.mark.parametrize("method", ["compressed-tensors", "fbgemm_fp8"])
+def test_an_fp8_checkpoint_loads_as_it_is_stored(tmp_path, method):
+    from helpers import demo_model_dir
+
+    path = write_fp8_checkpoint(demo_model_dir(), tmp_path / "fp8", method=method)
+    ck = load_checkpoint(path)
+    assert ck.quantization == "fp8"
+    assert ck.tensors["layers.0.qkv.weight"].dtype == torch.float8_e4m3fn
+    assert ck.tensors["layers.0.qkv.weight_scale"].shape == (ck.config.q_size + 2 * ck.config.kv_size,)
+    # the stored rounding is the one conversion at load makes: the same model
+    stored = LlamaModel(ck.config, ck.tensors, "cpu")
+    converted = LlamaModel(load_checkpoint(demo_model_dir()).config,
+                           load_checkpoint(demo_model_dir()).tensors, "cpu", quantization="fp8")
+    assert stored.quantization == "fp8"
+    for a, b in zip(stored.layers, converted.layers):
+        for k in ("qkv", "o", "gate_up", "down"):
+            assert torch.equal(a[k].data.view(torch.uint8), b[k].data.view(torch.uint8))
+            assert torch.equal(a[k].scale, b[k].scale)
+    ids = [[5, 6, 7, 8, 9]]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    with Engine(EngineConfig(model=str(path), block_size=16)) as eng:
+        got = eng.generate(input_ids=ids, params=params)[0].token_ids
+    want = demo_engine(quantization="fp8").generate(input_ids=ids, params=params)[0].token_ids
+    assert got == want
+
+
+def test_per_tensor_scales_and_what_is_refused(tmp_path):
+    import json
+
+    from helpers import demo_model_dir
+    from turbomq.worker.model.weights import CheckpointError, convert_checkpoint
+
+    path = write_fp8_checkpoint(demo_model_dir(), tmp_path / "t", per_tensor=True)
+    ck = load_checkpoint(path)
+    scale = ck.tensors["layers.0.o.weight_scale"]
+    assert scale.shape == (ck.config.hidden_size,) and torch.all(scale == scale[0])
+    with pytest.raises(CheckpointError, match="served as they are"):
+        convert_checkpoint(path, tmp_path / "converted")
+    with pytest.raises(ValueError, match="deterministic"):
+        Engine(EngineConfig(model=str(path), deterministic=True))
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"]["config_groups"]["group_0"]["weights"]["strategy"] = "block"
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="not supported"):
+        load_checkpoint(path)
+    config["quantization_config"] = {"quant_method": "gptq"}
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="not supported"):
+        load_checkpoint(path)

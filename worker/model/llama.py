@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from .parallel import TensorParallel
 from .kv_cache import PagedKVCache
 from .ops import AttentionBatch, ops_for
-from .ops.fp8 import QUANTIZATIONS, QUANTIZED, quantize_weight
+from .ops.fp8 import FP8, QUANTIZATIONS, QUANTIZED, Fp8Weight, quantize_weight
 from .ops.invariant import InvariantOps
 from .rotary import cos_sin_table
 
@@ -58,10 +58,14 @@ class LlamaModel:
         moved: dict[int, torch.Tensor] = {}  # keeps tied tensors shared after the move
 
         def take(name: str) -> torch.Tensor:
+            """On the device in the compute dtype; FP8 weights and their float32
+            scales (an FP8 checkpoint) keep their dtypes."""
             t = tensors[name]
             if id(t) not in moved:
                 part = t if tp is None else shard_weight(config, name, t, tp.rank, tp.size)
-                moved[id(t)] = part.to(device=self.device, dtype=self.dtype).contiguous()
+                keep = t.dtype == FP8 or name.endswith(".weight_scale")
+                moved[id(t)] = part.to(device=self.device,
+                                       dtype=None if keep else self.dtype).contiguous()
             return moved[id(t)]
 
         self.embed = take("embed.weight")
@@ -69,14 +73,18 @@ class LlamaModel:
             {k: take(f"layers.{i}.{k}.weight")
              for k in ("attn_norm", "qkv", "o", "mlp_norm", "gate_up", "down")}
             for i in range(config.num_layers)]
+        if any(t.dtype == FP8 for t in tensors.values()):
+            quantization = quantization or "fp8"  # an FP8 checkpoint runs as such
         if quantization not in (None, *QUANTIZATIONS):
             raise ValueError(f"unknown quantization {quantization!r}; one of {QUANTIZATIONS}")
         if quantization == "fp8":
             if deterministic:
                 raise ValueError("deterministic mode runs 16-bit weights, not fp8")
-            for layer in self.layers:
+            for i, layer in enumerate(self.layers):
                 for k in QUANTIZED:
-                    layer[k] = quantize_weight(layer[k])
+                    stored = tensors.get(f"layers.{i}.{k}.weight_scale")
+                    layer[k] = (quantize_weight(layer[k]) if stored is None
+                                else Fp8Weight(layer[k], take(f"layers.{i}.{k}.weight_scale")))
         self.quantization = quantization
         self.norm = take("norm.weight")
         self.lm_head = take("lm_head.weight")

@@ -54,6 +54,8 @@ def shard_weight(config: ModelConfig, name: str, w: torch.Tensor, rank: int,
     embedding, norms and lm_head are whole on every rank."""
     r, n = rank, size
     kind = name.rsplit(".", 2)[-2] if name.startswith("layers.") else ""
+    if name.endswith(".weight_scale") and kind in ("o", "down"):
+        return w  # one scale per output row: the rows are whole on every rank
     if kind == "qkv":
         d = config.head_dim
         q, k, v = w.split([config.q_size, config.kv_size, config.kv_size])

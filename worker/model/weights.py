@@ -32,6 +32,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config
                    "special_tokens_map.json", "tokenizer.model")
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+FP8 = torch.float8_e4m3fn
 _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 # Meta's use_scaled_rope means these fixed llama3 factors (llama-models' apply_scaling).
@@ -60,6 +61,10 @@ class Checkpoint:
     # float type (bf16's 8-bit mantissa flips near-tied greedy picks of small
     # models). None: the stored dtype.
     gpu_dtype: Optional[torch.dtype] = None
+    # "fp8": the layers' projections are stored in E4M3, each internal
+    # "layers.{i}.{qkv,o,gate_up,down}.weight" with a float32
+    # "...weight_scale" [out] beside it (an FP8 checkpoint, loaded as is).
+    quantization: Optional[str] = None
 
 
 # --------------------------------------------------------------------------- names and shapes
@@ -301,19 +306,26 @@ def _config(make: Callable[[], ModelConfig], where: Path) -> ModelConfig:
 def fuse_hf_state_dict(config: ModelConfig, hf: dict[str, torch.Tensor],
                        dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """HF-named tensors (half rotation) into internal names. Pops from `hf` so the
-    unfused copies are freed as each layer is fused."""
+    unfused copies are freed as each layer is fused. FP8 projections stay FP8,
+    their per-channel scales fused alongside (`..._proj.weight_scale`)."""
     def take(name: str) -> torch.Tensor:
-        return hf.pop(name).to(dtype).contiguous()
+        t = hf.pop(name)
+        return (t if t.dtype == FP8 else t.to(dtype)).contiguous()
+
+    def fuse(q: str, parts: list[str]) -> None:
+        out[q + ".weight"] = torch.cat([take(n + ".weight") for n in parts])
+        if parts[0] + ".weight_scale" in hf:
+            out[q + ".weight_scale"] = torch.cat([hf.pop(n + ".weight_scale") for n in parts])
 
     out = {"embed.weight": take("model.embed_tokens.weight")}
     for i in range(config.num_layers):
         p, q = f"model.layers.{i}.", f"layers.{i}."
         out[q + "attn_norm.weight"] = take(p + "input_layernorm.weight")
-        out[q + "qkv.weight"] = torch.cat([take(p + f"self_attn.{x}_proj.weight") for x in "qkv"])
-        out[q + "o.weight"] = take(p + "self_attn.o_proj.weight")
+        fuse(q + "qkv", [p + f"self_attn.{x}_proj" for x in "qkv"])
+        fuse(q + "o", [p + "self_attn.o_proj"])
         out[q + "mlp_norm.weight"] = take(p + "post_attention_layernorm.weight")
-        out[q + "gate_up.weight"] = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
-        out[q + "down.weight"] = take(p + "mlp.down_proj.weight")
+        fuse(q + "gate_up", [p + "mlp.gate_proj", p + "mlp.up_proj"])
+        fuse(q + "down", [p + "mlp.down_proj"])
     out["norm.weight"] = take("model.norm.weight")
     out["lm_head.weight"] = out["embed.weight"] if config.tie_word_embeddings else take("lm_head.weight")
     return out
@@ -390,16 +402,63 @@ def _load_hf(root: Path, dtype: Optional[torch.dtype]) -> Checkpoint:
     def locate(name: str) -> str:
         return str(weight_map.get(name, missing_at))
 
-    # Rotary caches are derived data; a tied checkpoint may still store lm_head.
+    fp8 = _fp8_checkpoint(raw.get("quantization_config"), root / "config.json")
+    # Rotary caches are derived data; a tied checkpoint may still store lm_head;
+    # static activation scales of an FP8 checkpoint are not used (activations
+    # are quantized per token).
     names = [n for n in weight_map if not n.endswith("rotary_emb.inv_freq")
-             and not (config.tie_word_embeddings and n == "lm_head.weight")]
+             and not (config.tie_word_embeddings and n == "lm_head.weight")
+             and not (fp8 and n.endswith(".input_scale"))]
     expected = hf_shapes(config)
-    _check_names(names, expected, locate, missing_at)
-    hf = _read_mapped(weight_map, expected)
+    scales = {n[:-len("weight")] + "weight_scale": (s[0],) for n, s in expected.items()
+              if fp8 and n.endswith("_proj.weight")}
+    _check_names(names, {**expected, **scales}, locate, missing_at)
+    hf = _read_mapped(weight_map, [*expected, *scales])
     _check_shapes(hf, expected, locate)
+    for name, (rows,) in scales.items():
+        hf[name] = _channel_scales(hf[name], rows, locate(name), name)
+        if hf[name[:-len("_scale")]].dtype != FP8:
+            raise CheckpointError(f"{locate(name)}: {name[:-len('_scale')]!r} is not stored as "
+                                  "float8_e4m3fn, as the quantization_config says")
     declared = raw.get("torch_dtype") or raw.get("dtype")
     target = _target_dtype(dtype, declared, hf["model.embed_tokens.weight"].dtype, missing_at)
-    return Checkpoint(_with_dtype(config, target), fuse_hf_state_dict(config, hf, target))
+    return Checkpoint(_with_dtype(config, target), fuse_hf_state_dict(config, hf, target),
+                      quantization="fp8" if fp8 else None)
+
+
+def _fp8_checkpoint(qc: Any, where: Path) -> bool:
+    """Whether `quantization_config` describes FP8 (E4M3) weights with one scale
+    per output channel or per tensor, the form loaded as is: compressed-tensors'
+    "float-quantized" and fbgemm_fp8. Other quantizations are refused."""
+    if qc is None:
+        return False
+    method = qc.get("quant_method") if isinstance(qc, dict) else None
+    if method == "fbgemm_fp8":
+        return True
+    if method == "compressed-tensors":
+        groups = qc.get("config_groups") or {}
+        for group in groups.values():
+            w = (group or {}).get("weights") or {}
+            if (w.get("type"), w.get("num_bits"), w.get("strategy")) not in (
+                    ("float", 8, "channel"), ("float", 8, "tensor")):
+                raise CheckpointError(f"{where}: compressed-tensors weights {w!r} are not "
+                                      "supported; FP8 with channel or tensor scales is")
+        if groups:
+            return True
+    raise CheckpointError(f"{where}: quantization_config {method or qc!r} is not supported; "
+                          "FP8 checkpoints (compressed-tensors float-quantized, fbgemm_fp8) are, "
+                          "and --quantization fp8 converts a 16-bit checkpoint at load")
+
+
+def _channel_scales(scale: torch.Tensor, rows: int, where: str, name: str) -> torch.Tensor:
+    """A weight's scale as float32 [rows]: per channel ([rows] or [rows, 1]) or
+    one for the whole tensor ([] or [1]), repeated."""
+    if scale.numel() == 1:
+        return scale.float().reshape(1).expand(rows).contiguous()
+    if scale.numel() == rows:
+        return scale.float().reshape(rows).contiguous()
+    raise CheckpointError(f"{where}: {name!r} has shape {list(scale.shape)}; expected one scale "
+                          f"per output channel ({rows}) or one per tensor")
 
 
 # --------------------------------------------------------------------------- GGUF
@@ -698,6 +757,9 @@ def _load_converted(root: Path, dtype: Optional[torch.dtype]) -> Checkpoint:
 def save_converted(checkpoint: Checkpoint, out_dir: PathLike, max_shard_bytes: Optional[int] = None) -> Path:
     """Write a Checkpoint in the converted form (turbomq.json is written last, so a
     directory interrupted mid-write is not taken for a checkpoint)."""
+    if checkpoint.quantization is not None:
+        raise CheckpointError(f"{checkpoint.quantization} checkpoints are served as they are; "
+                              "the converted form holds 16- and 32-bit weights")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     _clear_weight_files(out)

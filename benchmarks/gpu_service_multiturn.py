@@ -88,6 +88,16 @@ def stop_service(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
+def profile_worker(out: Path) -> subprocess.Popen:
+    """py-spy sampling the worker's threads while they hold the GIL (who keeps
+    whom waiting), written to out/worker_gil.speedscope.json on SIGINT."""
+    pid = subprocess.run(["pgrep", "-f", "turbomq.worker.cli worker"], capture_output=True,
+                         text=True, check=True).stdout.split()[0]
+    return subprocess.Popen(["py-spy", "record", "--pid", pid, "--gil", "--threads", "--rate", "200",
+                             "--format", "speedscope", "-o", str(out / "worker_gil.speedscope.json")],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
 def bench(args, mode: str, label: str, out: Path) -> dict:
     cmd = CLI + ["bench", "--broker", args.front, "--workload", "multi-turn",
                  "--num-prompts", str(args.conversations), "--turns", str(args.turns),
@@ -117,6 +127,8 @@ def main() -> None:
     ap.add_argument("--front", default="tcp://127.0.0.1:5555")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--profile", action="store_true",
+                    help="sample the worker with py-spy (--gil --threads) during each run")
     ap.add_argument("--tiny", action="store_true", help="a tiny network (to check this on a CPU)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -134,8 +146,12 @@ def main() -> None:
         out.mkdir(parents=True, exist_ok=True)
         with open(out / "service.log", "w") as log:
             proc, urls = start_service(args, pool_blocks, flags, log)
+            spy = profile_worker(out) if args.profile else None
             try:
                 docs[name] = bench(args, mode, name, out)
+                if spy is not None:
+                    spy.send_signal(signal.SIGINT)  # py-spy writes its profile on SIGINT
+                    spy.wait(timeout=120)
                 for role, url in urls:  # the service's own view: queue waits, steps, tiers
                     with urllib.request.urlopen(url, timeout=10) as r:
                         (out / f"{role}_metrics.txt").write_bytes(r.read())

@@ -16,7 +16,10 @@ was prefilled.
 
     python benchmarks/gpu_multiturn.py --out DIR [--conversations 160 --turns 5]
 
-Writes multiturn.md and multiturn.json into DIR (copy them to docs/benchmarks/)."""
+Writes multiturn.md and multiturn.json into DIR (copy them to docs/benchmarks/);
+with --trace also trace_MODE.json: every step (duration, decode rows, prefill
+tokens, host-tier copies, queue length) and every turn (submitted, first
+scheduled, first token, done), for finding where a turn's wait went."""
 
 from __future__ import annotations
 

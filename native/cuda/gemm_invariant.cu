@@ -28,6 +28,15 @@
 // Both run the same main loop (Mainloop below), so chunk sums agree bit for
 // bit, and the folds add the same operands in the same order. The host picks
 // the shape (any M works with either); the tests check the two agree.
+//
+// Optional fused residual add: with a residual [M, N], the store of every
+// shape (the tiled epilogue, the fold of either kind) writes
+// y = T(float(residual) + float(T(total))) instead of T(total): the output
+// rounded to T first, exactly as the plain store rounds it, then the add that
+// a separate elementwise kernel would run (one __fadd_rn, one rounding), so
+// the result is bit for bit that of the GEMM followed by residual += y. The
+// thread that reads a residual element writes the same element, so y may be
+// the residual itself (in place).
 #include "common.cuh"
 
 namespace turbomq {
@@ -113,6 +122,7 @@ __device__ __forceinline__ std::uint32_t swizzle(int row, int c) {
 
 struct Params {
   void* y;                 // [M, N]
+  const void* residual;    // [M, N] added into the output, or null
   const void* x;           // [M, K]
   const void* w;           // [N, K]
   float* partial;          // split: [chunks, M, N]
@@ -287,6 +297,21 @@ __device__ __forceinline__ std::uint32_t pack2(__nv_bfloat16 lo, __nv_bfloat16 h
          (static_cast<std::uint32_t>(__bfloat16_as_ushort(hi)) << 16);
 }
 
+// Two adjacent outputs as stored: the totals rounded to T, and with a
+// residual (r: its two elements at the same place, packed) the unfused add
+// T(float(r) + float(T(total))), the output's rounding kept before the add.
+template <typename T>
+__device__ __forceinline__ std::uint32_t out2(float lo, float hi) {
+  return pack2(from_float<T>(lo), from_float<T>(hi));
+}
+template <typename T>
+__device__ __forceinline__ std::uint32_t out2(float lo, float hi, std::uint32_t r) {
+  const T r_lo = *reinterpret_cast<const T*>(&r);
+  const T r_hi = *(reinterpret_cast<const T*>(&r) + 1);
+  return pack2(from_float<T>(__fadd_rn(to_float(r_lo), round_to<T>(lo))),
+               from_float<T>(__fadd_rn(to_float(r_hi), round_to<T>(hi))));
+}
+
 // Large M: one block per output tile, all chunks; grouped raster order so a
 // wave of blocks shares kGroupM row tiles of x and a band of w in L2.
 template <typename T, int MT>
@@ -318,6 +343,7 @@ __global__ void __launch_bounds__(kThreads, MT == 128 ? 1 : 2)
   loop.drain();
 
   T* y = static_cast<T*>(p.y);
+  const T* res = static_cast<const T*>(p.residual);
 #pragma unroll
   for (int i = 0; i < S::kMi; ++i)
 #pragma unroll
@@ -328,14 +354,19 @@ __global__ void __launch_bounds__(kThreads, MT == 128 ? 1 : 2)
       for (int h = 0; h < 2; ++h) {
         const int m = m0 + acc_row<MT>(i, 2 * h);
         if (m >= p.m) continue;
-        *reinterpret_cast<std::uint32_t*>(y + static_cast<std::int64_t>(m) * p.n + n) =
-            pack2(from_float<T>(total[i][j][2 * h]), from_float<T>(total[i][j][2 * h + 1]));
+        const std::int64_t off = static_cast<std::int64_t>(m) * p.n + n;
+        const float lo = total[i][j][2 * h], hi = total[i][j][2 * h + 1];
+        *reinterpret_cast<std::uint32_t*>(y + off) =
+            res == nullptr
+                ? out2<T>(lo, hi)
+                : out2<T>(lo, hi, *reinterpret_cast<const std::uint32_t*>(res + off));
       }
     }
 }
 
 // The fold of one output tile from the partials, in chunk order: total = p_0,
-// total += p_1, ..., rounded once. Four columns per thread (N % 8 == 0).
+// total += p_1, ..., rounded once (and added to the residual, if any, as
+// out2 does). Four columns per thread (N % 8 == 0).
 template <typename T, int MT>
 __device__ __forceinline__ void fold_partials(const Params& p, int m_tile, int n_tile) {
   const int m0 = m_tile * MT, n0 = n_tile * kNT;
@@ -357,8 +388,14 @@ __device__ __forceinline__ void fold_partials(const Params& p, int m_tile, int n
       t.w = __fadd_rn(t.w, u.w);
     }
     uint2 out;
-    out.x = pack2(from_float<T>(t.x), from_float<T>(t.y));
-    out.y = pack2(from_float<T>(t.z), from_float<T>(t.w));
+    if (p.residual == nullptr) {
+      out.x = out2<T>(t.x, t.y);
+      out.y = out2<T>(t.z, t.w);
+    } else {
+      const uint2 r = *reinterpret_cast<const uint2*>(static_cast<const T*>(p.residual) + off);
+      out.x = out2<T>(t.x, t.y, r.x);
+      out.y = out2<T>(t.z, t.w, r.y);
+    }
     *reinterpret_cast<uint2*>(static_cast<T*>(p.y) + off) = out;
   }
 }
@@ -490,7 +527,7 @@ std::int64_t gemm_invariant_counters(std::int64_t rows, std::int64_t n_out,
 void gemm_invariant(std::uintptr_t y, std::uintptr_t x, std::uintptr_t w, std::int64_t rows,
                     std::int64_t n_out, std::int64_t k_in, DType dtype, std::uintptr_t workspace,
                     std::int64_t workspace_bytes, std::uintptr_t stream,
-                    GemmInvariantPath path, std::uintptr_t counters) {
+                    GemmInvariantPath path, std::uintptr_t counters, std::uintptr_t residual) {
   require(dtype == DType::kF16 || dtype == DType::kBF16,
           "gemm_invariant: dtype must be float16 or bfloat16");
   check_shape(rows, n_out, k_in);
@@ -503,8 +540,10 @@ void gemm_invariant(std::uintptr_t y, std::uintptr_t x, std::uintptr_t w, std::i
                                        std::to_string(need) + " bytes)");
   require(!split || workspace % 16 == 0, "gemm_invariant: workspace must be 16-byte aligned");
   require(counters % 4 == 0, "gemm_invariant: counters must be 4-byte aligned");
+  require(residual % 16 == 0, "gemm_invariant: residual must be 16-byte aligned");
   Params p{};
   p.y = reinterpret_cast<void*>(y);
+  p.residual = reinterpret_cast<const void*>(residual);
   p.x = reinterpret_cast<const void*>(x);
   p.w = reinterpret_cast<const void*>(w);
   p.partial = reinterpret_cast<float*>(workspace);

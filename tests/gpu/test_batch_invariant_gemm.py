@@ -290,3 +290,54 @@ def test_invariant_ops_linear_fuses_the_residual_add(gen):
     got = ops.linear(x, w, norm=norm, residual=r)
     assert got is r
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 7, 64, 200, 1024])
+@pytest.mark.parametrize("path,fused_fold", [("split", True), ("split", False), ("tiled", True)])
+def test_fused_silu_mul_matches_unfused(dtype, rows, path, fused_fold, gen):
+    """linear_invariant(silu=True) on stacked gate / up rows gives the bits of
+    the GEMM followed by silu_mul, in every launch shape and fold; I not a
+    multiple of the 64-column block and K not of the chunk included."""
+    for inter, k in ((768, 4096), (264, 1032)):
+        x = randn((rows, k), dtype, gen)
+        w = randn((2 * inter, k), dtype, gen, 0.05)
+        want = cuda_ops.silu_mul(cuda_ops.linear_invariant(x, w, path=path,
+                                                           fused_fold=fused_fold))
+        out = poisoned((rows, inter), dtype)
+        got = cuda_ops.linear_invariant(x, w, out=out, silu=True, path=path,
+                                        fused_fold=fused_fold)
+        assert got is out and got.shape == (rows, inter)
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (inter, k)
+        other = "tiled" if path == "split" else "split"
+        again = cuda_ops.linear_invariant(x, w, silu=True, path=other)
+        assert torch.equal(again.view(torch.int16), want.view(torch.int16)), (inter, k, other)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_silu_mul_batch_invariant(dtype, gen):
+    total, inter, k = 1024, 1536, 4096
+    x = randn((total, k), dtype, gen)
+    w = randn((2 * inter, k), dtype, gen, 0.02)
+    full = cuda_ops.linear_invariant(x, w, silu=True)
+    for rows in (1, 7, 16, 17, 64, 65, 200, 1000):
+        assert_rows_equal(cuda_ops.linear_invariant(x[:rows], w, silu=True), full[:rows],
+                          f"first {rows} rows")
+    perm = torch.randperm(total, generator=gen, device=DEV)
+    for rows in (1, 7, 64, 65, 300):
+        idx = perm[:rows]
+        assert_rows_equal(cuda_ops.linear_invariant(x[idx], w, silu=True), full[idx],
+                          f"{rows} gathered rows")
+
+
+def test_invariant_ops_linear_fuses_silu_mul(gen):
+    from turbomq.worker.model.ops.invariant import InvariantOps
+
+    ops = InvariantOps(cuda_ops)
+    dtype, rows, inter, k = torch.bfloat16, 5, 512, 2048
+    x = randn((rows, k), dtype, gen)
+    w = randn((2 * inter, k), dtype, gen, 0.02)
+    norm = (randn((k,), dtype, gen), 1e-5)
+    want = cuda_ops.silu_mul(cuda_ops.linear_invariant(cuda_ops.rms_norm(x, *norm), w))
+    got = ops.linear(x, w, norm=norm, silu=True)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))

@@ -3,7 +3,9 @@ within tolerance of the chunked reference and of cuBLAS, and bit-identical
 row by row whatever the batch: a row alone, the first rows, gathered
 subsets (rows at new positions), the same rows among random others, sizes
 either side of the split/tiled switch, both launch shapes forced, the fold
-in the last block or in a second kernel, eager or replayed in a CUDA graph.
+in the last block or in a second kernel, eager or replayed in a CUDA graph. The fused residual
+add and silu_mul stores equal the GEMM followed by the separate kernel, bit
+for bit, and stay batch-invariant.
 
 Skipped, with the reason, where there is no CUDA device or turbomq._native was
 built without CUDA (TURBOMQ_CUDA=ON)."""

@@ -50,6 +50,14 @@ __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
 template <typename T>
 __device__ __forceinline__ float round_to(float x) { return to_float(from_float<T>(x)); }
 
+// silu(g) * u for g, u already of T (widened): silu rounded to T before the
+// product, as the reference does; the caller rounds the product to T. The one
+// expression of silu_mul_kernel and the batch-invariant GEMM's silu epilogue.
+template <typename T>
+__device__ __forceinline__ float silu_mul_of(float g, float u) {
+  return round_to<T>(g / (1.0f + expf(-g))) * u;
+}
+
 // 8 elements of a 16-byte vector <-> float.
 template <typename T>
 __device__ __forceinline__ void unpack8(const uint4& v, float* f) {

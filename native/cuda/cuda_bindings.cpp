@@ -78,7 +78,8 @@ void bind_cuda(py::module_& parent) {
   m.def("gemm_invariant", &cuda::gemm_invariant, py::arg("y"), py::arg("x"), py::arg("w"),
         py::arg("rows"), py::arg("n_out"), py::arg("k_in"), py::arg("dtype"),
         py::arg("workspace"), py::arg("workspace_bytes"), py::arg("stream"),
-        py::arg("path") = cuda::GemmInvariantPath::kAuto, py::arg("counters") = 0);
+        py::arg("path") = cuda::GemmInvariantPath::kAuto, py::arg("counters") = 0,
+        py::arg("residual") = 0, py::arg("silu_mul") = false);
 
   m.def(
       "paged_attention",

@@ -153,7 +153,7 @@ __global__ void silu_mul_kernel(T* __restrict__ out, const T* __restrict__ gate_
     unpack8<T>(*reinterpret_cast<const uint4*>(row + col), g);
     unpack8<T>(*reinterpret_cast<const uint4*>(row + inter + col), u);
 #pragma unroll
-    for (int e = 0; e < 8; ++e) g[e] = round_to<T>(g[e] / (1.0f + expf(-g[e]))) * u[e];
+    for (int e = 0; e < 8; ++e) g[e] = silu_mul_of<T>(g[e], u[e]);
     *reinterpret_cast<uint4*>(out + tok * inter + col) = pack8<T>(g);
   }
 }

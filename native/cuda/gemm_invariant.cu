@@ -28,6 +28,26 @@
 // Both run the same main loop (Mainloop below), so chunk sums agree bit for
 // bit, and the folds add the same operands in the same order. The host picks
 // the shape (any M works with either); the tests check the two agree.
+//
+// Optional fused residual add: with a residual [M, N], the store of every
+// shape (the tiled epilogue, the fold of either kind) writes
+// y = T(float(residual) + float(T(total))) instead of T(total): the output
+// rounded to T first, exactly as the plain store rounds it, then the add that
+// a separate elementwise kernel would run (one __fadd_rn, one rounding), so
+// the result is bit for bit that of the GEMM followed by residual += y. The
+// thread that reads a residual element writes the same element, so y may be
+// the residual itself (in place).
+//
+// Optional fused silu_mul: w stacks the gate rows [0, I) over the up rows
+// [I, 2I) and y is [M, I] = silu_mul(gate, up) with silu_mul_kernel's
+// roundings: gate and up rounded to T (as the plain store rounds them), then
+// silu_mul_of. A block then owns 64 output columns: its 128 weight rows are
+// 8 gate rows, the 8 up rows of the same columns, 8 gate rows, ... (tile row
+// t is column c0 + 8 (t / 16) + t % 8, up when (t / 8) is odd), so each
+// thread holds a gate total in n8 tile j and its up total in tile j + 1.
+// Every element is still the mma sequence over its own x row and w row, the
+// chunks folded in order: only where a w row sits in the tile changes, and
+// an mma's output element does not depend on its position.
 #include "common.cuh"
 
 namespace turbomq {
@@ -113,36 +133,44 @@ __device__ __forceinline__ std::uint32_t swizzle(int row, int c) {
 
 struct Params {
   void* y;                 // [M, N]
+  const void* residual;    // [M, N] added into the output, or null
   const void* x;           // [M, K]
-  const void* w;           // [N, K]
-  float* partial;          // split: [chunks, M, N]
+  const void* w;           // [N_w, K]: N_w = N, or 2N with silu (gate rows, then up rows)
+  float* partial;          // split: [chunks, M, N_w]
   int* counters;           // split: [m_tiles * n_tiles] or null (second kernel folds)
   int m, n, k;
+  int n_w;                 // weight rows
+  int inter;               // silu: N (the up rows' offset), else 0
   int m_tiles, n_tiles, k_tiles, chunks;
 };
 
-// One thread's share of loading rows [r0, r0 + kRowsTile) of a [limit, K]
-// matrix into a stage: 16-byte chunk c = tid % 8 of rows tid / 8 + 32 i.
-// The row's swizzle (row % 8) is the same for every i, so the shared
+// One thread's share of loading a tile of kRowsTile rows of a [rows, K]
+// matrix into a stage: 16-byte chunk c = tid % 8 of tile rows tid / 8 + 32 i,
+// which are matrix rows `row` + i * row_step (row_step 32, or 16 for the silu
+// layout), the first `count` of them present (the rest zero-filled). The
+// tile row's swizzle (row % 8) is the same for every i, so the shared
 // offsets are one base plus 4 KiB steps; the global pointer is set up once.
 template <int kRowsTile>
 struct RowLoader {
   static constexpr int kPerThread = (kRowsTile * 8 + kThreads - 1) / kThreads;
-  static constexpr int kRowStep = kThreads / 8;  // 32 rows between a thread's chunks
+  static constexpr int kRowStep = kThreads / 8;  // 32 tile rows between a thread's chunks
   const std::uint16_t* g;    // the matrix: a valid address for zero-filled chunks
-  const std::uint16_t* src;  // row r0 + tid / 8, column 8 (tid % 8)
+  const std::uint16_t* src;  // the thread's first row, column 8 (tid % 8)
   std::int64_t step;         // elements between a thread's rows
   std::uint32_t dst;         // offset in a stage of its first chunk
-  int rows_left;             // rows from the thread's first row to the limit
+  int count;                 // how many of its rows exist
   int col;                   // its column within a k tile
 
-  __device__ __forceinline__ RowLoader(const std::uint16_t* matrix, int r0, int limit, int k)
+  // rows_left: how far the thread's first row is from the limit, in units
+  // of which a row takes row_step.
+  __device__ __forceinline__ RowLoader(const std::uint16_t* matrix, int row, int rows_left,
+                                       int row_step, int k)
       : g(matrix) {
     const int r = threadIdx.x / 8, c = threadIdx.x % 8;
-    src = g + static_cast<std::int64_t>(r0 + r) * k + c * 8;
-    step = static_cast<std::int64_t>(kRowStep) * k;
+    src = g + static_cast<std::int64_t>(row) * k + c * 8;
+    step = static_cast<std::int64_t>(row_step) * k;
     dst = swizzle(r, c);
-    rows_left = limit - r0 - r;
+    count = rows_left <= 0 ? 0 : (rows_left + row_step - 1) / row_step;
     col = c * 8;
   }
   __device__ __forceinline__ void load(std::uint32_t stage, int kt, int k) const {
@@ -152,12 +180,27 @@ struct RowLoader {
 #pragma unroll
     for (int i = 0; i < kPerThread; ++i) {
       if (kRowsTile * 8 % kThreads != 0 && threadIdx.x / 8 + i * kRowStep >= kRowsTile) break;
-      const bool ok = k_ok && i * kRowStep < rows_left;
+      const bool ok = k_ok && i < count;
       cp_async16(stage + dst + i * kRowStep * kRowBytes, ok ? p : g, ok);
       p += step;
     }
   }
 };
+
+// Output columns per block: 128, or 64 with silu (128 weight rows either way).
+__device__ __forceinline__ int tile_cols(const Params& p) { return p.inter ? kNT / 2 : kNT; }
+
+// The weight rows of the block whose output columns start at n0: rows
+// n0 + t, or with silu the interleaved gate / up rows (see the top).
+__device__ __forceinline__ RowLoader<kNT> weight_loader(const Params& p, int n0) {
+  const int r = threadIdx.x / 8;
+  const auto* w = static_cast<const std::uint16_t*>(p.w);
+  constexpr int kStep = RowLoader<kNT>::kRowStep;
+  if (p.inter == 0) return RowLoader<kNT>(w, n0 + r, p.n - n0 - r, kStep, p.k);
+  // Tile rows r + 32 i: columns col + 16 i, all gate or all up rows.
+  const int col = n0 + (r / 16) * 8 + r % 8;
+  return RowLoader<kNT>(w, col + ((r / 8) & 1) * p.inter, p.n - col, kStep / 2, p.k);
+}
 
 // The main loop of one output tile over chunks [s_begin, s_end): a cp.async
 // pipeline of 64-wide k tiles that runs on across chunk boundaries, and
@@ -180,8 +223,9 @@ struct Mainloop {
 
   __device__ __forceinline__ Mainloop(const Params& p, std::uint32_t smem, int m0, int n0,
                                       int s_begin, int s_end)
-      : load_x(static_cast<const std::uint16_t*>(p.x), m0, p.m, p.k),
-        load_w(static_cast<const std::uint16_t*>(p.w), n0, p.n, p.k),
+      : load_x(static_cast<const std::uint16_t*>(p.x), m0 + threadIdx.x / 8,
+               p.m - m0 - static_cast<int>(threadIdx.x / 8), RowLoader<MT>::kRowStep, p.k),
+        load_w(weight_loader(p, n0)),
         base(smem),
         kt_begin(s_begin * kTilesPerChunk),
         kt_end(min(s_end * kTilesPerChunk, p.k_tiles)),
@@ -287,6 +331,37 @@ __device__ __forceinline__ std::uint32_t pack2(__nv_bfloat16 lo, __nv_bfloat16 h
          (static_cast<std::uint32_t>(__bfloat16_as_ushort(hi)) << 16);
 }
 
+// silu layout: the output column (in the block's 64) of the gate total in
+// n8 tile j (even) of this lane; its up total is in tile j + 1.
+template <int MT>
+__device__ __forceinline__ int silu_col(int j) {
+  using S = Shape<MT>;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  return (warp % S::kWarpsN) * (S::kWarpN / 2) + (j / 2) * 8 + (lane % 4) * 2;
+}
+
+// silu_mul of a gate and an up total, each rounded to T first (the plain
+// store's rounding), rounded to T: silu_mul_kernel on the unfused output.
+template <typename T>
+__device__ __forceinline__ T silu_out(float gate, float up) {
+  return from_float<T>(silu_mul_of<T>(round_to<T>(gate), round_to<T>(up)));
+}
+
+// Two adjacent outputs as stored: the totals rounded to T, and with a
+// residual (r: its two elements at the same place, packed) the unfused add
+// T(float(r) + float(T(total))), the output's rounding kept before the add.
+template <typename T>
+__device__ __forceinline__ std::uint32_t out2(float lo, float hi) {
+  return pack2(from_float<T>(lo), from_float<T>(hi));
+}
+template <typename T>
+__device__ __forceinline__ std::uint32_t out2(float lo, float hi, std::uint32_t r) {
+  const T r_lo = *reinterpret_cast<const T*>(&r);
+  const T r_hi = *(reinterpret_cast<const T*>(&r) + 1);
+  return pack2(from_float<T>(__fadd_rn(to_float(r_lo), round_to<T>(lo))),
+               from_float<T>(__fadd_rn(to_float(r_hi), round_to<T>(hi))));
+}
+
 // Large M: one block per output tile, all chunks; grouped raster order so a
 // wave of blocks shares kGroupM row tiles of x and a band of w in L2.
 template <typename T, int MT>
@@ -299,7 +374,7 @@ __global__ void __launch_bounds__(kThreads, MT == 128 ? 1 : 2)
   const int group_m = min(p.m_tiles - first_m, kGroupM);
   const int in_group = blockIdx.x % per_group;
   const int m0 = (first_m + in_group % group_m) * MT;
-  const int n0 = (in_group / group_m) * kNT;
+  const int n0 = (in_group / group_m) * tile_cols(p);
 
   // total = c_0 (chunk 0 straight into it, from zero), then total += c_s:
   // the fold of fold_partials, in registers.
@@ -318,6 +393,25 @@ __global__ void __launch_bounds__(kThreads, MT == 128 ? 1 : 2)
   loop.drain();
 
   T* y = static_cast<T*>(p.y);
+  if (p.inter != 0) {
+#pragma unroll
+    for (int i = 0; i < S::kMi; ++i)
+#pragma unroll
+      for (int j = 0; j < S::kNj; j += 2) {
+        const int n = n0 + silu_col<MT>(j);
+        if (n >= p.n) continue;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int m = m0 + acc_row<MT>(i, 2 * h);
+          if (m >= p.m) continue;
+          *reinterpret_cast<std::uint32_t*>(y + static_cast<std::int64_t>(m) * p.n + n) =
+              pack2(silu_out<T>(total[i][j][2 * h], total[i][j + 1][2 * h]),
+                    silu_out<T>(total[i][j][2 * h + 1], total[i][j + 1][2 * h + 1]));
+        }
+      }
+    return;
+  }
+  const T* res = static_cast<const T*>(p.residual);
 #pragma unroll
   for (int i = 0; i < S::kMi; ++i)
 #pragma unroll
@@ -328,37 +422,63 @@ __global__ void __launch_bounds__(kThreads, MT == 128 ? 1 : 2)
       for (int h = 0; h < 2; ++h) {
         const int m = m0 + acc_row<MT>(i, 2 * h);
         if (m >= p.m) continue;
-        *reinterpret_cast<std::uint32_t*>(y + static_cast<std::int64_t>(m) * p.n + n) =
-            pack2(from_float<T>(total[i][j][2 * h]), from_float<T>(total[i][j][2 * h + 1]));
+        const std::int64_t off = static_cast<std::int64_t>(m) * p.n + n;
+        const float lo = total[i][j][2 * h], hi = total[i][j][2 * h + 1];
+        *reinterpret_cast<std::uint32_t*>(y + off) =
+            res == nullptr
+                ? out2<T>(lo, hi)
+                : out2<T>(lo, hi, *reinterpret_cast<const std::uint32_t*>(res + off));
       }
     }
 }
 
 // The fold of one output tile from the partials, in chunk order: total = p_0,
-// total += p_1, ..., rounded once. Four columns per thread (N % 8 == 0).
+// total += p_1, ..., rounded once (and added to the residual, if any, as
+// out2 does; or with silu, the gate and up columns folded alike and
+// combined). Four columns per thread (N % 8 == 0).
+__device__ __forceinline__ float4 fold4(const Params& p, std::int64_t off, std::int64_t plane) {
+  float4 t = __ldcg(reinterpret_cast<const float4*>(p.partial + off));
+#pragma unroll 4
+  for (int s = 1; s < p.chunks; ++s) {
+    const float4 u = __ldcg(reinterpret_cast<const float4*>(p.partial + s * plane + off));
+    t.x = __fadd_rn(t.x, u.x);
+    t.y = __fadd_rn(t.y, u.y);
+    t.z = __fadd_rn(t.z, u.z);
+    t.w = __fadd_rn(t.w, u.w);
+  }
+  return t;
+}
+
 template <typename T, int MT>
 __device__ __forceinline__ void fold_partials(const Params& p, int m_tile, int n_tile) {
-  const int m0 = m_tile * MT, n0 = n_tile * kNT;
+  const int cols = tile_cols(p);
+  const int m0 = m_tile * MT, n0 = n_tile * cols;
   const int rows = min(MT, p.m - m0);
-  const std::int64_t plane = static_cast<std::int64_t>(p.m) * p.n;
-  constexpr int kQuads = kNT / 4;
-  for (int i = threadIdx.x; i < rows * kQuads; i += kThreads) {
-    const int n = n0 + (i % kQuads) * 4;
+  const std::int64_t plane = static_cast<std::int64_t>(p.m) * p.n_w;
+  const int quads = cols / 4;
+  for (int i = threadIdx.x; i < rows * quads; i += kThreads) {
+    const int n = n0 + (i % quads) * 4;
     if (n >= p.n) continue;
-    const std::int64_t off = static_cast<std::int64_t>(m0 + i / kQuads) * p.n + n;
-    const float4* src = reinterpret_cast<const float4*>(p.partial + off);
-    float4 t = __ldcg(src);
-#pragma unroll 4
-    for (int s = 1; s < p.chunks; ++s) {
-      const float4 u = __ldcg(reinterpret_cast<const float4*>(p.partial + s * plane + off));
-      t.x = __fadd_rn(t.x, u.x);
-      t.y = __fadd_rn(t.y, u.y);
-      t.z = __fadd_rn(t.z, u.z);
-      t.w = __fadd_rn(t.w, u.w);
-    }
+    const int m = m0 + i / quads;
+    const std::int64_t off = static_cast<std::int64_t>(m) * p.n_w + n;  // in the partials
+    const float4 t = fold4(p, off, plane);
     uint2 out;
-    out.x = pack2(from_float<T>(t.x), from_float<T>(t.y));
-    out.y = pack2(from_float<T>(t.z), from_float<T>(t.w));
+    if (p.inter != 0) {
+      const float4 u = fold4(p, off + p.inter, plane);  // the up columns
+      out.x = pack2(silu_out<T>(t.x, u.x), silu_out<T>(t.y, u.y));
+      out.y = pack2(silu_out<T>(t.z, u.z), silu_out<T>(t.w, u.w));
+      *reinterpret_cast<uint2*>(static_cast<T*>(p.y) + static_cast<std::int64_t>(m) * p.n + n) =
+          out;
+      continue;
+    }
+    if (p.residual == nullptr) {
+      out.x = out2<T>(t.x, t.y);
+      out.y = out2<T>(t.z, t.w);
+    } else {
+      const uint2 r = *reinterpret_cast<const uint2*>(static_cast<const T*>(p.residual) + off);
+      out.x = out2<T>(t.x, t.y, r.x);
+      out.y = out2<T>(t.z, t.w, r.y);
+    }
     *reinterpret_cast<uint2*>(static_cast<T*>(p.y) + off) = out;
   }
 }
@@ -370,23 +490,29 @@ __global__ void __launch_bounds__(kThreads, MT == 128 ? 1 : 2)
     gemm_split_kernel(const Params p) {
   using S = Shape<MT>;
   const int s = blockIdx.x, n_tile = blockIdx.y, m_tile = blockIdx.z;
-  const int m0 = m_tile * MT, n0 = n_tile * kNT;
+  const int m0 = m_tile * MT, n0 = n_tile * tile_cols(p);
   Mainloop<T, MT> loop(p, dynamic_smem(), m0, n0, s, s + 1);
   float acc[S::kMi][S::kNj][4];
   loop.chunk(s, acc);
   loop.drain();
-  float* out = p.partial + static_cast<std::int64_t>(s) * p.m * p.n;
+  float* out = p.partial + static_cast<std::int64_t>(s) * p.m * p.n_w;
 #pragma unroll
   for (int i = 0; i < S::kMi; ++i)
 #pragma unroll
     for (int j = 0; j < S::kNj; ++j) {
-      const int n = n0 + acc_col<MT>(j);
+      // Output column n; the partial's column is the weight row.
+      const int t = acc_col<MT>(j);
+      int n = n0 + t, wn = n;
+      if (p.inter != 0) {
+        n = n0 + (t / 16) * 8 + t % 8;
+        wn = n + ((t / 8) & 1) * p.inter;
+      }
       if (n >= p.n) continue;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int m = m0 + acc_row<MT>(i, 2 * h);
         if (m >= p.m) continue;
-        __stcg(reinterpret_cast<float2*>(out + static_cast<std::int64_t>(m) * p.n + n),
+        __stcg(reinterpret_cast<float2*>(out + static_cast<std::int64_t>(m) * p.n_w + wn),
                make_float2(acc[i][j][2 * h], acc[i][j][2 * h + 1]));
       }
     }
@@ -490,7 +616,8 @@ std::int64_t gemm_invariant_counters(std::int64_t rows, std::int64_t n_out,
 void gemm_invariant(std::uintptr_t y, std::uintptr_t x, std::uintptr_t w, std::int64_t rows,
                     std::int64_t n_out, std::int64_t k_in, DType dtype, std::uintptr_t workspace,
                     std::int64_t workspace_bytes, std::uintptr_t stream,
-                    GemmInvariantPath path, std::uintptr_t counters) {
+                    GemmInvariantPath path, std::uintptr_t counters, std::uintptr_t residual,
+                    bool silu_mul) {
   require(dtype == DType::kF16 || dtype == DType::kBF16,
           "gemm_invariant: dtype must be float16 or bfloat16");
   check_shape(rows, n_out, k_in);
@@ -503,16 +630,22 @@ void gemm_invariant(std::uintptr_t y, std::uintptr_t x, std::uintptr_t w, std::i
                                        std::to_string(need) + " bytes)");
   require(!split || workspace % 16 == 0, "gemm_invariant: workspace must be 16-byte aligned");
   require(counters % 4 == 0, "gemm_invariant: counters must be 4-byte aligned");
+  require(residual % 16 == 0, "gemm_invariant: residual must be 16-byte aligned");
+  require(!silu_mul || (n_out % 16 == 0 && residual == 0),
+          "gemm_invariant: silu_mul needs N a multiple of 16 and no residual");
   Params p{};
   p.y = reinterpret_cast<void*>(y);
+  p.residual = reinterpret_cast<const void*>(residual);
   p.x = reinterpret_cast<const void*>(x);
   p.w = reinterpret_cast<const void*>(w);
   p.partial = reinterpret_cast<float*>(workspace);
   p.counters = reinterpret_cast<int*>(counters);
   p.m = static_cast<int>(rows);
-  p.n = static_cast<int>(n_out);
+  p.n_w = static_cast<int>(n_out);
+  p.n = silu_mul ? p.n_w / 2 : p.n_w;
+  p.inter = silu_mul ? p.n : 0;
   p.k = static_cast<int>(k_in);
-  p.n_tiles = ceil_div(n_out, kNT);
+  p.n_tiles = ceil_div(n_out, kNT);  // with silu: ceil(N / 64) blocks of 64 columns, the same
   p.k_tiles = ceil_div(k_in, kBK);
   p.chunks = ceil_div(k_in, kChunk);
   const std::int64_t m_tiles = ceil_div(rows, block_rows(rows));

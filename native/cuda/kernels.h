@@ -106,6 +106,13 @@ void gemv_qkv_rope(std::uintptr_t q_out, std::uintptr_t x, std::uintptr_t w, std
 // x, w, y contiguous and 16-byte aligned; N and K multiples of 8 (K need not
 // be a multiple of the chunk: the last chunk is shorter in every shape).
 // Launches sharing a workspace or counters must not run concurrently.
+// With `residual` ([rows, N] contiguous, the dtype, 16-byte aligned; may be
+// y itself for an in-place add) every shape stores
+// y = T(float(residual) + float(T(total))): bit for bit the plain launch
+// followed by an elementwise residual += y.
+// With silu_mul, w's n_out rows (a multiple of 16) are the gate rows over
+// the up rows and y is [rows, n_out / 2] = silu_mul(gate, up), bit for bit
+// the plain launch followed by silu_mul (no residual then).
 constexpr int kGemmInvariantChunk = 512;
 constexpr int kGemmInvariantSplitMaxRows = 64;
 constexpr int kGemmInvariantTile = 128;  // output columns per block; rows too above 64 rows
@@ -119,7 +126,8 @@ void gemm_invariant(std::uintptr_t y, std::uintptr_t x, std::uintptr_t w, std::i
                     std::int64_t n_out, std::int64_t k_in, DType dtype, std::uintptr_t workspace,
                     std::int64_t workspace_bytes, std::uintptr_t stream,
                     GemmInvariantPath path = GemmInvariantPath::kAuto,
-                    std::uintptr_t counters = 0);
+                    std::uintptr_t counters = 0, std::uintptr_t residual = 0,
+                    bool silu_mul = false);
 
 // Per-row FP8 (E4M3) quantization of x [rows, hidden] (rows x_stride elements
 // apart, 16-byte aligned; hidden a multiple of 8), after rms_norm(x,

@@ -3,7 +3,9 @@ within tolerance of the chunked reference and of cuBLAS, and bit-identical
 row by row whatever the batch: a row alone, the first rows, gathered
 subsets (rows at new positions), the same rows among random others, sizes
 either side of the split/tiled switch, both launch shapes forced, the fold
-in the last block or in a second kernel, eager or replayed in a CUDA graph.
+in the last block or in a second kernel, eager or replayed in a CUDA graph. The fused residual
+add and silu_mul stores equal the GEMM followed by the separate kernel, bit
+for bit, and stay batch-invariant.
 
 Skipped, with the reason, where there is no CUDA device or turbomq._native was
 built without CUDA (TURBOMQ_CUDA=ON)."""
@@ -188,3 +190,156 @@ def test_unsupported_inputs_fall_back_to_reference(gen):
     assert torch.equal(cuda_ops.linear_invariant(x, w), ref.linear_invariant(x, w))
     xb, wb = x.bfloat16(), randn((60, 100), torch.bfloat16, gen)  # N, K not multiples of 8
     assert torch.equal(cuda_ops.linear_invariant(xb, wb), ref.linear_invariant(xb, wb))
+
+
+def unfused_add(x, w, residual, **kw):
+    """The sequence the fused store replaces: y rounded to the dtype, then an
+    elementwise residual += y (float32 add, one rounding)."""
+    return residual.add_(cuda_ops.linear_invariant(x, w, **kw))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 7, 64, 200, 1024])
+@pytest.mark.parametrize("path,fused_fold", [("split", True), ("split", False), ("tiled", True)])
+def test_fused_residual_add_matches_unfused(dtype, rows, path, fused_fold, gen):
+    """linear_invariant(residual=r) adds in the GEMM's store, bit for bit as
+    the GEMM followed by r += y, in every launch shape and fold; N not a
+    multiple of the tile and K not of the chunk included."""
+    for n, k in ((1536, 4096), (520, 1032)):
+        x = randn((rows, k), dtype, gen)
+        w = randn((n, k), dtype, gen, 0.02)
+        res = randn((rows, n), dtype, gen, 4.0)
+        want = unfused_add(x, w, res.clone(), path=path, fused_fold=fused_fold)
+        r = res.clone()
+        got = cuda_ops.linear_invariant(x, w, residual=r, path=path, fused_fold=fused_fold)
+        assert got is r
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (n, k)
+        # The same bits whichever shape computed them.
+        other = "tiled" if path == "split" else "split"
+        r2 = res.clone()
+        cuda_ops.linear_invariant(x, w, residual=r2, path=other)
+        assert torch.equal(r2.view(torch.int16), want.view(torch.int16)), (n, k, other)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_residual_add_batch_invariant(dtype, gen):
+    """Row subsets (leading rows, gathered rows, a row alone) give the rows of
+    the full batch's fused result."""
+    total, n, k = 1024, 2048, 4096
+    x = randn((total, k), dtype, gen)
+    w = randn((n, k), dtype, gen, 0.02)
+    res = randn((total, n), dtype, gen)
+    full = cuda_ops.linear_invariant(x, w, residual=res.clone())
+    for rows in (1, 7, 16, 17, 64, 65, 200, 1000):
+        got = cuda_ops.linear_invariant(x[:rows], w, residual=res[:rows].clone())
+        assert_rows_equal(got, full[:rows], f"first {rows} rows")
+    perm = torch.randperm(total, generator=gen, device=DEV)
+    for rows in (1, 7, 64, 65, 300):
+        idx = perm[:rows]
+        got = cuda_ops.linear_invariant(x[idx], w, residual=res[idx].clone())
+        assert_rows_equal(got, full[idx], f"{rows} gathered rows")
+    for r in (0, 513, total - 1):
+        got = cuda_ops.linear_invariant(x[r:r + 1], w, residual=res[r:r + 1].clone())
+        assert_rows_equal(got, full[r:r + 1], f"row {r} alone")
+
+
+def test_fused_residual_add_unaligned_and_graph(gen):
+    """A residual the kernel does not take (a strided view) gets the add
+    after the GEMM, same bits; a captured fused launch replays like eager."""
+    dtype, rows, n, k = torch.bfloat16, 8, 1024, 2048
+    x = randn((rows, k), dtype, gen)
+    w = randn((n, k), dtype, gen, 0.02)
+    wide = randn((rows, 2 * n), dtype, gen)
+    view = wide[:, 8:8 + n]
+    want = unfused_add(x, w, view.clone())
+    got = cuda_ops.linear_invariant(x, w, residual=view)
+    assert got is view
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    with pytest.raises(ValueError):
+        cuda_ops.linear_invariant(x, w, out=torch.empty_like(want), residual=want)
+
+    res = randn((rows, n), dtype, gen)
+    cuda_ops.linear_invariant(x, w, residual=res.clone())  # warm-up
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        cuda_ops.linear_invariant(x, w, residual=res.clone())
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        cuda_ops.linear_invariant(x, w, residual=res)
+    for _ in range(3):
+        x.copy_(randn((rows, k), dtype, gen))
+        start = randn((rows, n), dtype, gen)
+        res.copy_(start)
+        graph.replay()
+        assert_rows_equal(res, unfused_add(x, w, start.clone()), "replay vs unfused")
+
+
+def test_invariant_ops_linear_fuses_the_residual_add(gen):
+    """InvariantOps.linear with a residual (the o and down projections) gives
+    the bits of the separate add."""
+    from turbomq.worker.model.ops.invariant import InvariantOps
+
+    ops = InvariantOps(cuda_ops)
+    dtype, rows, n, k = torch.bfloat16, 5, 1024, 2048
+    x = randn((rows, k), dtype, gen)
+    w = randn((n, k), dtype, gen, 0.02)
+    norm = (randn((k,), dtype, gen), 1e-5)
+    res = randn((rows, n), dtype, gen)
+    want = res.clone().add_(cuda_ops.linear_invariant(cuda_ops.rms_norm(x, *norm), w))
+    r = res.clone()
+    got = ops.linear(x, w, norm=norm, residual=r)
+    assert got is r
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 7, 64, 200, 1024])
+@pytest.mark.parametrize("path,fused_fold", [("split", True), ("split", False), ("tiled", True)])
+def test_fused_silu_mul_matches_unfused(dtype, rows, path, fused_fold, gen):
+    """linear_invariant(silu=True) on stacked gate / up rows gives the bits of
+    the GEMM followed by silu_mul, in every launch shape and fold; I not a
+    multiple of the 64-column block and K not of the chunk included."""
+    for inter, k in ((768, 4096), (264, 1032)):
+        x = randn((rows, k), dtype, gen)
+        w = randn((2 * inter, k), dtype, gen, 0.05)
+        want = cuda_ops.silu_mul(cuda_ops.linear_invariant(x, w, path=path,
+                                                           fused_fold=fused_fold))
+        out = poisoned((rows, inter), dtype)
+        got = cuda_ops.linear_invariant(x, w, out=out, silu=True, path=path,
+                                        fused_fold=fused_fold)
+        assert got is out and got.shape == (rows, inter)
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (inter, k)
+        other = "tiled" if path == "split" else "split"
+        again = cuda_ops.linear_invariant(x, w, silu=True, path=other)
+        assert torch.equal(again.view(torch.int16), want.view(torch.int16)), (inter, k, other)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_silu_mul_batch_invariant(dtype, gen):
+    total, inter, k = 1024, 1536, 4096
+    x = randn((total, k), dtype, gen)
+    w = randn((2 * inter, k), dtype, gen, 0.02)
+    full = cuda_ops.linear_invariant(x, w, silu=True)
+    for rows in (1, 7, 16, 17, 64, 65, 200, 1000):
+        assert_rows_equal(cuda_ops.linear_invariant(x[:rows], w, silu=True), full[:rows],
+                          f"first {rows} rows")
+    perm = torch.randperm(total, generator=gen, device=DEV)
+    for rows in (1, 7, 64, 65, 300):
+        idx = perm[:rows]
+        assert_rows_equal(cuda_ops.linear_invariant(x[idx], w, silu=True), full[idx],
+                          f"{rows} gathered rows")
+
+
+def test_invariant_ops_linear_fuses_silu_mul(gen):
+    from turbomq.worker.model.ops.invariant import InvariantOps
+
+    ops = InvariantOps(cuda_ops)
+    dtype, rows, inter, k = torch.bfloat16, 5, 512, 2048
+    x = randn((rows, k), dtype, gen)
+    w = randn((2 * inter, k), dtype, gen, 0.02)
+    norm = (randn((k,), dtype, gen), 1e-5)
+    want = cuda_ops.silu_mul(cuda_ops.linear_invariant(cuda_ops.rms_norm(x, *norm), w))
+    got = ops.linear(x, w, norm=norm, silu=True)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))

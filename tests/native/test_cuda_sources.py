@@ -66,3 +66,49 @@ def test_linear_invariant_reference_and_cpu_fallback():
     torch.testing.assert_close(ref.linear_invariant(xb, wb).float(),
                                xb.float() @ wb.float().T, rtol=1e-2, atol=1e-1)
     assert torch.equal(cuda_ops.linear_invariant(xb, wb), ref.linear_invariant(xb, wb))
+
+
+def test_linear_invariant_residual_reference_and_cpu_fallback():
+    """linear_invariant(residual=r) on the reference and the CPU fallback is
+    r += linear_invariant(x, w) in place, bit for bit, returning r;
+    InvariantOps.linear on the reference keeps the separate add."""
+    from turbomq.worker.model.ops import cuda as cuda_ops
+    from turbomq.worker.model.ops import reference as ref
+    from turbomq.worker.model.ops.invariant import InvariantOps
+
+    g = torch.Generator().manual_seed(1)
+    k = ref.INVARIANT_CHUNK + 64
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        x = torch.randn(2, 3, k, generator=g).to(dtype)
+        w = (torch.randn(40, k, generator=g) * 0.05).to(dtype)
+        res = (torch.randn(2, 3, 40, generator=g) * 3).to(dtype)
+        want = res.clone().add_(ref.linear_invariant(x, w))
+        for fn in (ref.linear_invariant, cuda_ops.linear_invariant):
+            r = res.clone()
+            got = fn(x, w, residual=r)
+            assert got is r
+            assert torch.equal(got, want), (fn.__module__, dtype)
+        r = res.clone()
+        got = InvariantOps(ref).linear(x, w, residual=r)
+        assert got is r and torch.equal(got, want)
+
+
+def test_linear_invariant_silu_cpu_fallback():
+    """linear_invariant(silu=True) on CPU tensors is silu_mul of the
+    reference GEMM, bit for bit (into `out` when given)."""
+    from turbomq.worker.model.ops import cuda as cuda_ops
+    from turbomq.worker.model.ops import reference as ref
+    from turbomq.worker.model.ops.invariant import InvariantOps
+
+    g = torch.Generator().manual_seed(2)
+    k = ref.INVARIANT_CHUNK + 64
+    for dtype in (torch.bfloat16, torch.float32):
+        x = torch.randn(2, 3, k, generator=g).to(dtype)
+        w = (torch.randn(48, k, generator=g) * 0.05).to(dtype)
+        want = ref.silu_mul(ref.linear_invariant(x, w))
+        assert want.shape == (2, 3, 24)
+        assert torch.equal(cuda_ops.linear_invariant(x, w, silu=True), want)
+        out = torch.empty_like(want)
+        assert cuda_ops.linear_invariant(x, w, silu=True, out=out) is out
+        assert torch.equal(out, want)
+        assert torch.equal(InvariantOps(ref).linear(x, w, silu=True), want)

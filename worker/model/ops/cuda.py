@@ -608,7 +608,8 @@ def _invariant_path(path: Optional[str], rows: int, n_out: int, k_in: int,
 
 def linear_invariant(x: torch.Tensor, weight: torch.Tensor, *,
                      out: Optional[torch.Tensor] = None, path: Optional[str] = None,
-                     fused_fold: bool = True) -> torch.Tensor:
+                     fused_fold: bool = True, residual: Optional[torch.Tensor] = None,
+                     silu: bool = False) -> torch.Tensor:
     """As reference.linear_invariant (x @ weight.T, K summed in fixed chunks
     in a fixed order), batch-invariant bit for bit. `path` forces the launch
     shape ("split" or "tiled"; both give the same bits); `fused_fold=False`
@@ -616,22 +617,49 @@ def linear_invariant(x: torch.Tensor, weight: torch.Tensor, *,
     last block of each tile. Inputs the kernel does not take (not 16-bit, N
     or K not a multiple of 8, weight not contiguous and 16-byte aligned, CPU
     tensors) go to the reference; that choice depends on the weight and the
-    dtype only, never on the number of rows."""
+    dtype only, never on the number of rows.
+
+    With `residual` (shape x.shape[:-1] + (N,), x's dtype) the result is added
+    into it in place and residual is returned, bit for bit as
+    residual.add_(linear_invariant(x, weight)): the kernel's store does the
+    add (y rounded to the dtype first, one float32 add, one rounding) when
+    residual is contiguous and 16-byte aligned, else the add runs after it.
+    `out` and `residual` exclude each other.
+
+    With `silu`, weight stacks the gate rows over the up rows ([2I, K]) and
+    the result is silu_mul(linear_invariant(x, weight)) ([..., I]) bit for
+    bit, computed in the kernel's store when 2I is a multiple of 16 (else by
+    the separate silu_mul). It excludes `residual`."""
+    if residual is not None and out is not None:
+        raise ValueError("linear_invariant: pass out or residual, not both")
+    if silu and residual is not None:
+        raise ValueError("linear_invariant: silu and residual exclude each other")
     k_in = x.shape[-1]
     n_out = weight.shape[0] if weight.dim() == 2 else -1
     if not (_native_ok(x, weight) and x.dtype in _HALF and weight.dtype == x.dtype
             and weight.dim() == 2 and weight.shape[1] == k_in and k_in % 8 == 0 and k_in > 0
             and n_out % 8 == 0 and n_out > 0 and weight.is_contiguous()
             and weight.data_ptr() % 16 == 0):
-        return reference.linear_invariant(x, weight)
+        if silu:
+            y = silu_mul(reference.linear_invariant(x, weight))
+            return y if out is None else out.copy_(y)
+        return reference.linear_invariant(x, weight, residual=residual)
+    if silu and n_out % 16 != 0:
+        y = silu_mul(linear_invariant(x, weight, path=path, fused_fold=fused_fold))
+        return y if out is None else out.copy_(y)
     rows = x.numel() // k_in
-    shape = (*x.shape[:-1], n_out)
+    shape = (*x.shape[:-1], n_out // 2 if silu else n_out)
+    if residual is not None and not (residual.dtype == x.dtype and residual.shape == shape
+                                     and residual.is_contiguous()
+                                     and residual.data_ptr() % 16 == 0):
+        return residual.add_(linear_invariant(x, weight, path=path, fused_fold=fused_fold))
     if rows == 0:
-        return torch.empty(shape, dtype=x.dtype, device=x.device)
+        return residual if residual is not None else torch.empty(shape, dtype=x.dtype,
+                                                                 device=x.device)
     x2 = x.reshape(rows, k_in)
     if not x2.is_contiguous() or x2.data_ptr() % 16 != 0:
         x2 = x2.clone(memory_format=torch.contiguous_format)  # fresh, so aligned
-    y = out
+    y = out if residual is None else residual
     if y is None or not (y.dtype == x.dtype and y.is_contiguous() and y.shape == shape
                          and y.data_ptr() % 16 == 0):
         y = torch.empty(shape, dtype=x.dtype, device=x.device)
@@ -644,7 +672,8 @@ def linear_invariant(x: torch.Tensor, weight: torch.Tensor, *,
     with _on_device(x):
         _k.gemm_invariant(y.data_ptr(), x2.data_ptr(), weight.data_ptr(), rows, n_out, k_in,
                           _DTYPES[x.dtype], 0 if ws is None else ws.data_ptr(), nbytes,
-                          _stream(x), kind, 0 if counters is None else counters.data_ptr())
+                          _stream(x), kind, 0 if counters is None else counters.data_ptr(),
+                          0 if residual is None else residual.data_ptr(), silu)
     if out is not None and y is not out:
         out.copy_(y)
         return out

@@ -4,8 +4,9 @@ of the other rows in the step, of how many there are, and of whether its
 token is computed in a prefill chunk or a decode step.
 
 - linear: the batch-invariant GEMM (K in fixed chunks summed in a fixed
-  order; the same sums for one row or thousands), with the norm, silu_mul
-  and residual add as separate row-wise kernels around it: the fused decode
+  order; the same sums for one row or thousands), with the norm as a
+  separate row-wise kernel before it and silu_mul or the residual add in
+  the GEMM's store (on CUDA; bit for bit the separate kernel): the fused decode
   GEMVs reduce in another order than the GEMM, so a token would come out
   differently decoded than prefilled;
 - attention: the paged-attention kernel with a fixed split-K partition of
@@ -49,6 +50,10 @@ class InvariantOps:
         b = self.base
         if norm is not None:
             x = b.rms_norm(x, norm[0], norm[1])
+        if self.native and not (silu and residual is not None):
+            # silu_mul or the residual add in the GEMM's store: the same bits
+            # as the separate kernel after it.
+            return b.linear_invariant(x, weight, residual=residual, silu=silu)
         y = b.linear_invariant(x, weight)
         if silu:
             y = b.silu_mul(y)

@@ -83,12 +83,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, *,
 INVARIANT_CHUNK = 512
 
 
-def linear_invariant(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def linear_invariant(x: torch.Tensor, weight: torch.Tensor, *,
+                     residual: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x @ weight.T summed in the order of the batch-invariant GEMM
     (native/cuda/gemm_invariant.cu): K in chunks of INVARIANT_CHUNK, each
     chunk's sum in float32, the chunk sums added in chunk order, one rounding
     to x's dtype. Within a chunk the order is the matmul's own, so this agrees
-    with the kernel to float32 noise, not bit for bit."""
+    with the kernel to float32 noise, not bit for bit. With `residual`, the
+    result is added into it in place (residual.add_(y), y rounded first) and
+    residual is returned."""
+    if residual is not None:
+        return residual.add_(linear_invariant(x, weight))
     k = x.shape[-1]
     xf = x.reshape(-1, k).float()
     wf = weight.float()

@@ -175,7 +175,7 @@ def write_report(args, docs: dict, final: int, pool_blocks: int) -> None:
         f"think time {args.think_time:g} s mean, at most {args.in_flight} turns in flight; KV pool "
         f"{pool_blocks * BLOCK:,} tokens = {args.pool_share:.0%} of the ~{final:,} tokens the "
         "conversations end with. Each mode on a freshly started service, one run:",
-        f"`python benchmarks/gpu_service_multiturn.py --out DIR`.",
+        "`python benchmarks/gpu_service_multiturn.py --out DIR`.",
         "",
         "| mode | later-turn cache hit rate | later-turn TTFT p50 | p99 | first turns that "
         "reused nothing | output tok/s |",

@@ -12,8 +12,6 @@ built without CUDA (TURBOMQ_CUDA=ON)."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -25,38 +23,12 @@ _REASON = cuda_ops.unavailable_reason()
 if _REASON is not None:
     pytest.skip(f"CUDA kernel tests skipped: {_REASON}", allow_module_level=True)
 
-DEV = torch.device("cuda")
-# ||out - ref|| / ||ref||: one rounding to the storage dtype plus fp32 noise.
-TOL = {torch.bfloat16: 1e-2, torch.float16: 3e-3}
-DTYPES = [torch.bfloat16, torch.float16]
+from kernel_checks import DEV, DTYPES, TOL, gen, poisoned, randn, rel_err  # noqa: E402,F401
+
 # Llama-3-8B's projections (qkv, o, gate_up, down, LM head) as (N, K).
 SHAPES = [(4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]
 ROWS = [1, 3, 16, 64, 65, 200, 1024, 4096]
 MAX_MACS = 6e11  # rows x N x K per case: keeps the reference's float32 matmul quick
-
-
-@pytest.fixture
-def gen():
-    """A fresh seed per test, printed so a failure can be replayed."""
-    seed = int.from_bytes(os.urandom(4), "little")
-    print(f"seed={seed}")
-    g = torch.Generator(device=DEV)
-    g.manual_seed(seed)
-    return g
-
-
-def rel_err(out: torch.Tensor, expect: torch.Tensor) -> float:
-    out, expect = out.double(), expect.double()
-    assert torch.isfinite(out).all(), "non-finite output (unwritten or bad element)"
-    return ((out - expect).norm() / expect.norm().clamp_min(1e-30)).item()
-
-
-def randn(shape, dtype, gen, scale=1.0):
-    return (torch.randn(shape, generator=gen, device=DEV, dtype=torch.float32) * scale).to(dtype)
-
-
-def poisoned(shape, dtype):
-    return torch.full(shape, float("nan"), dtype=dtype, device=DEV)
 
 
 def assert_rows_equal(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
@@ -75,11 +47,9 @@ def test_constants_match_the_reference():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("n,k", SHAPES)
-@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("rows,n,k", [(r, n, k) for n, k in SHAPES for r in ROWS
+                                      if r * n * k <= MAX_MACS])
 def test_matches_reference(dtype, rows, n, k, gen):
-    if rows * n * k > MAX_MACS:
-        pytest.skip("too large for a quick reference")
     x = randn((rows, k), dtype, gen)
     w = randn((n, k), dtype, gen, 0.02)
     out = poisoned((rows, n), dtype)

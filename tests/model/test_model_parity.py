@@ -4,7 +4,6 @@ chunks, with history) and greedy tokens through the whole engine."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 

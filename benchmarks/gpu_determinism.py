@@ -15,7 +15,6 @@ Writes determinism.md and determinism.json into DIR (copy them to docs/benchmark
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import sys
@@ -25,7 +24,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_engine import (GREEDY, LLAMA3_8B, ab_engine, ceilings, random_tensors,  # noqa: E402
+from gpu_engine import (GREEDY, LLAMA3_8B, ab_arguments, ab_engine, ceilings, random_tensors,  # noqa: E402
                         sharegpt_like, speeds)
 
 from turbomq.worker import Engine, SamplingParams  # noqa: E402
@@ -46,12 +45,7 @@ def invariance(engine: Engine, probes: list[list[int]], fillers: list[list[int]]
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--requests", type=int, default=1000)
-    ap.add_argument("--max-batch-size", type=int, default=256)
-    args = ap.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
+    args = ab_arguments(__doc__.split("\n\n")[0])
     cfg = LLAMA3_8B
     tensors = random_tensors(cfg)
     rng = np.random.default_rng(5)

@@ -148,6 +148,17 @@ def decode_batch1(engine: Engine, cfg: ModelConfig, bandwidth: dict) -> dict:
             "roofline_tok_per_s_copy": bandwidth["copy_GBps"] * 1e9 / nbytes}
 
 
+def ab_arguments(description: str) -> argparse.Namespace:
+    """--out (created), --requests and --max-batch-size of an A/B run."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--requests", type=int, default=1000, help="offline requests; 0: none")
+    ap.add_argument("--max-batch-size", type=int, default=256)
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    return args
+
+
 def ab_engine(model: LlamaModel, max_batch_size: int, **config) -> Engine:
     """An engine for A/B runs on an injected Llama-3-8B-shaped model, its
     batch-4 and batch-1 decode graphs captured (none falls in a timed run)."""

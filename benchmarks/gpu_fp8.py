@@ -13,7 +13,6 @@ Writes fp8.md and fp8.json into DIR (copy them to docs/benchmarks/)."""
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import sys
@@ -24,7 +23,8 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
-from gpu_engine import LLAMA3_8B, ab_engine, ceilings, random_tensors, sharegpt_like, speeds  # noqa: E402
+from gpu_engine import (LLAMA3_8B, ab_arguments, ab_engine, ceilings, random_tensors,  # noqa: E402
+                        sharegpt_like, speeds)
 
 from turbomq.worker.model.llama import LlamaModel  # noqa: E402
 
@@ -52,12 +52,7 @@ def real_model_error() -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--requests", type=int, default=1000)
-    ap.add_argument("--max-batch-size", type=int, default=256)
-    args = ap.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
+    args = ab_arguments(__doc__.split("\n\n")[0])
     cfg = LLAMA3_8B
     tensors = random_tensors(cfg)
     work = sharegpt_like(args.requests)

@@ -30,9 +30,7 @@ pytest.importorskip("zmq", reason="the service needs pyzmq")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "service"))
 from conftest import wait_until  # noqa: E402
 from test_deterministic_gpu import SAMPLING, VOCAB, engine, model_dir  # noqa: E402
-from test_service import client_for, cluster  # noqa: E402,F401 (fixtures)
-
-from turbomq.clients import Delta  # noqa: E402
+from test_service import client_for, cluster, read_streams_killing_a_worker  # noqa: E402,F401
 
 WORKER_FLAGS = ("--model", model_dir(), "--device", "cuda", "--dtype", "bf16", "--deterministic",
                 "--block-size", "16", "--num-kv-blocks", "2048")
@@ -56,24 +54,7 @@ def test_a_worker_killed_mid_stream_changes_no_token(cluster, client_for, sampli
     streams = [client.generate(input_ids=p, max_tokens=params.max_tokens, ignore_eos=True,
                                stream=True, **{k: v for k, v in sample.items() if v is not None})
                for p in prompts]
-    tokens: list[list[int]] = [[] for _ in streams]
-    done = [False] * len(streams)
-    killed = False
-    while not all(done):
-        for i, stream in enumerate(streams):
-            if done[i]:
-                continue
-            event = next(stream)
-            if isinstance(event, Delta):
-                tokens[i].extend(event.token_ids)
-            else:
-                done[i] = True
-        if not killed and sum(len(t) >= 4 for t in tokens) >= 12:
-            running = {w: svc.metrics(w).get(("turbomq_requests_running",), 0)
-                       for w in ("w0", "w1")}
-            svc.kill_worker(max(running, key=running.get))
-            killed = True
-    assert killed
+    tokens, _ = read_streams_killing_a_worker(svc, streams, 12, 4)
     assert tokens == want
     stats = client.stats()
     assert stats["workers_lost"] == 1 and stats["redispatches_resumed"] >= 1

@@ -226,6 +226,36 @@ def read_stream(stream) -> tuple[list, Final]:
     return tokens, final
 
 
+def read_streams_killing_a_worker(svc: "Cluster", streams: list, streams_started: int,
+                                  tokens_each: int) -> tuple[list, list]:
+    """Read every stream a delta at a time, checking seq and index have no gap
+    or repeat; once `streams_started` streams hold `tokens_each` tokens,
+    SIGKILL whichever of w0 and w1 runs more of them (on a loaded machine the
+    other may have none left). Returns the streams' tokens and finals."""
+    tokens: list[list[int]] = [[] for _ in streams]
+    seqs = [0] * len(streams)
+    finals: list = [None] * len(streams)
+    killed = False
+    while any(f is None for f in finals):
+        for i, stream in enumerate(streams):
+            if finals[i] is not None:
+                continue
+            event = next(stream)
+            if isinstance(event, Delta):
+                assert event.seq == seqs[i] and event.index == len(tokens[i]), (i, event)
+                seqs[i] += 1
+                tokens[i].extend(event.token_ids)
+            else:
+                finals[i] = event
+        if not killed and sum(len(t) >= tokens_each for t in tokens) >= streams_started:
+            running = {w: svc.metrics(w).get(("turbomq_requests_running",), 0)
+                       for w in ("w0", "w1")}
+            svc.kill_worker(max(running, key=running.get))
+            killed = True
+    assert killed, "every stream ended before the kill"
+    return tokens, finals
+
+
 # ------------------------------------------------------------------- tests
 def test_sessions_spread_over_two_workers_and_survive_a_move(cluster, client_for, redis_server):
     svc = cluster(redis_server.url)

@@ -13,9 +13,10 @@ import zmq
 from conftest import wait_until
 
 from test_service import (GREEDY, client_for, cluster, expected_session,  # noqa: F401 (fixtures)
-                          expected_tokens, read_stream, reference_engine)
+                          expected_tokens, read_stream, read_streams_killing_a_worker,
+                          reference_engine)
 from turbomq.worker import SamplingParams
-from turbomq.clients import Delta, Unavailable
+from turbomq.clients import Unavailable
 from turbomq.clients import protocol as P
 from turbomq.worker.service.loop import session_key
 from turbomq.worker.service.redis_store import RedisSessionStore
@@ -29,30 +30,8 @@ def test_sigkill_mid_stream_every_stream_completes_unchanged(cluster, client_for
     want = expected_tokens(prompts, 160, ignore_eos=True)
     streams = [client.generate(p, max_tokens=160, ignore_eos=True, stream=True, **GREEDY)
                for p in prompts]
-    tokens = [[] for _ in streams]
-    seqs = [0] * len(streams)
-    done = [False] * len(streams)
-    killed = False
-    while not all(done):
-        for i, stream in enumerate(streams):
-            if done[i]:
-                continue
-            event = next(stream)
-            if isinstance(event, Delta):
-                assert event.seq == seqs[i] and event.index == len(tokens[i]), (i, event)
-                seqs[i] += 1
-                tokens[i].extend(event.token_ids)
-            else:
-                assert event.finish_reason == "length"
-                assert event.usage.completion_tokens == 160
-                done[i] = True
-        if not killed and sum(len(t) >= 2 for t in tokens) >= 16:
-            # mid-run, the worker running more of the streams (on a loaded
-            # machine the other may have none left)
-            running = {w: svc.metrics(w).get(("turbomq_requests_running",), 0) for w in ("w0", "w1")}
-            svc.kill_worker(max(running, key=running.get))
-            killed = True
-    assert killed
+    tokens, finals = read_streams_killing_a_worker(svc, streams, 16, 2)
+    assert all(f.finish_reason == "length" and f.usage.completion_tokens == 160 for f in finals)
     assert tokens == want
     stats = client.stats()
     assert stats["workers_lost"] == 1 and stats["redispatches_resumed"] >= 1

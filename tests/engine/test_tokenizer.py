@@ -296,3 +296,51 @@ def test_decode_rejects_out_of_range_ids(tok):
         tok.decode([5, tok.vocab_size + 3])
     with pytest.raises(TokenizerError):
         tok.decode([-1])
+
+
+# ------------------------------------------------- pieces between special tokens
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                   HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_text_encoded_piece_by_piece_gives_the_tokenizers_ids(tok, merged_ids, data):
+    """Chat-shaped text (special tokens anywhere, pieces long enough to be
+    remembered, some repeated) encodes, from the piece cache, to exactly what
+    the tokenizer gives for the whole text."""
+    assert tok._pieces is not None
+    specials = sorted(tok.special_token_ids)
+    texts = [tok.decode(data.draw(st.lists(st.sampled_from(merged_ids), min_size=0, max_size=60)))
+             for _ in range(3)]
+    parts = data.draw(st.lists(st.one_of(st.sampled_from(texts),
+                                         st.sampled_from(specials).map(
+                                             lambda i: tok.decode([i], skip_special_tokens=False))),
+                               max_size=12))
+    text = "".join(parts)
+    want = tok.hf.encode(text, add_special_tokens=False).ids
+    assert tok.encode(text, add_bos=False) == want
+    assert tok.encode(text, add_bos=False) == want  # again, from remembered pieces
+
+
+def test_a_resent_conversation_is_tokenized_only_in_its_new_part(tok):
+    from helpers import demo_model_dir
+    from turbomq.worker.engine.chat_template import ChatTemplate
+
+    template = ChatTemplate.from_dir(demo_model_dir())
+    history = [{"role": "system", "content": "You are a careful assistant. " * 8},
+               {"role": "user", "content": "Tell me about the sea and the ships upon it. " * 4},
+               {"role": "assistant", "content": "The sea is wide; ships cross it with care. " * 6}]
+    tok.encode(template.render(history), add_bos=False)
+    cached = len(tok._pieces._ids)
+    turn = history + [{"role": "user", "content": "And what of the harbours at night? " * 3}]
+    text = template.render(turn)
+    assert tok.encode(text, add_bos=False) == tok.hf.encode(text, add_special_tokens=False).ids
+    assert len(tok._pieces._ids) == cached + 1  # only the new message was tokenized
+
+
+def test_no_piece_cache_where_the_first_piece_is_treated_differently(tok_dir, tmp_path):
+    doc = json.loads((tok_dir / "tokenizer.json").read_text())
+    doc["pre_tokenizer"] = {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": "first",
+                            "split": True}
+    shutil.copytree(tok_dir, tmp_path / "m")
+    (tmp_path / "m" / "tokenizer.json").write_text(json.dumps(doc))
+    assert Tokenizer.from_dir(tmp_path / "m")._pieces is None

@@ -10,6 +10,7 @@ lacks its CUDA kernels or the broker's data plane, or pyzmq is missing."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import sys
 from pathlib import Path
@@ -38,7 +39,9 @@ WORKER_FLAGS = ("--model", model_dir(), "--device", "cuda", "--dtype", "bf16", "
 
 @pytest.mark.parametrize("sampling", SAMPLING)
 def test_a_worker_killed_mid_stream_changes_no_token(cluster, client_for, sampling):
-    params = SAMPLING[sampling]
+    # Long enough that the kill lands while both workers still generate: a
+    # GPU finishes 24 tokens before the client has read a few.
+    params = dataclasses.replace(SAMPLING[sampling], max_tokens=400)
     rng = random.Random(7)
     prompts = [[rng.randrange(3, VOCAB) for _ in range(rng.choice([5, 60, 300]))]
                for _ in range(20)]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import smollm2_gguf
+from helpers import smollm2_gguf_or_skip
 from turbomq.worker import Engine, EngineConfig, SamplingParams
 from turbomq.worker.model.ops import cuda as cuda_ops
 from turbomq.worker.model.ops.fp8 import fp8_linear_reference, quantize_rows, quantize_weight
@@ -58,7 +58,7 @@ def test_fp8_gemm_matches_the_reference(rows, dtype):
 
 
 def test_fp8_graph_decode_equals_eager_and_answers():
-    path = smollm2_gguf()
+    path = smollm2_gguf_or_skip()
     question = [[{"role": "user", "content": "What is the capital of France?"}]]
     params = SamplingParams(max_tokens=24, temperature=0.0)
     runs = []

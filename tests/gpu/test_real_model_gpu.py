@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-from helpers import our_logits, smollm2_gguf
+from helpers import our_logits, smollm2_gguf_or_skip
 from turbomq.worker import Engine, EngineConfig, SamplingParams
 from turbomq.worker.model.llama import LlamaModel
 from turbomq.worker.model.ops import cuda as cuda_ops
@@ -32,7 +32,7 @@ FREE = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def path() -> str:
-    return smollm2_gguf()
+    return smollm2_gguf_or_skip()
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ from .host_tier import HostTier
 from .chat_template import ChatTemplate, ChatTemplateError
 from .config import EngineConfig
 from .output import TextStream
-from .runner import ModelRunner, SampledTokens, StepInputs
+from .runner import LoadTicket, ModelRunner, SampledTokens, StepInputs
 from .sampling_params import SamplingParams, SeedRNG
 from .scheduler import AllocPolicy, Scheduler, SchedulerConfig, Sequence, SeqStatus, StepPlan
 from .session_store import (InMemorySessionStore, SessionConflict, SessionFull, SessionHistory,
@@ -170,6 +170,8 @@ class Engine:
         self._keys = itertools.count(1)
         self._wakeup = threading.Event()
         self._launched: Optional[_Launched] = None
+        # Host-tier loads in flight, oldest first: (ticket, their sequences).
+        self._loading: list[tuple[LoadTicket, list[Sequence]]] = []
         self._thread: Optional[threading.Thread] = None
         self._stopping = False
         # Called on the step thread after every step that did something, with
@@ -468,7 +470,7 @@ class Engine:
 
     def has_work(self) -> bool:
         return (not self._inbox.empty() or self.scheduler.has_work()
-                or self._launched is not None)
+                or self._launched is not None or bool(self._loading))
 
     def step(self) -> bool:
         """Run one step; False when there was nothing to do.
@@ -479,6 +481,7 @@ class Engine:
         a request waiting to join, a prefill chunk, a repetition penalty that
         needs the token history — reads the previous step's tokens first."""
         drained = self._drain_inbox()
+        self._land_loads()
         prev = self._launched
         if prev is not None and not (prev.graphed and not self.scheduler.waiting):
             self._settle()
@@ -489,8 +492,12 @@ class Engine:
                 self._observe(None, 0.0)
             return False
         plan = self.scheduler.schedule()
+        self._order_dropped_loads()
         if plan.spills or plan.loads:  # before anything reads or reuses those blocks
-            self.counters["host_tier_bytes"] += self.runner.move_blocks(plan.spills, plan.loads)
+            moved, ticket = self.runner.move_blocks(plan.spills, plan.loads)
+            self.counters["host_tier_bytes"] += moved
+            if plan.loading:
+                self._loading.append((ticket, plan.loading))
         if prev is not None and not self._runs_ahead(plan):
             self._settle()  # may finish sequences the plan holds
             prev = None
@@ -498,6 +505,8 @@ class Engine:
         if plan.empty:
             if prev is not None:
                 self._settle()
+            elif self._loading and not self._inbox.qsize():
+                self._loading[0][0].wait()  # nothing to run until a load lands
             return True
         start = time.perf_counter()
         if prev is not None:
@@ -516,6 +525,24 @@ class Engine:
         self.counters["steps"] += 1
         self._observe(plan, time.perf_counter() - start)
         return True
+
+    def _land_loads(self) -> None:
+        """Sequences whose host-tier blocks are in the pool join the batch
+        (copies land in the order they were issued)."""
+        while self._loading and self._loading[0][0].done():
+            ticket, seqs = self._loading.pop(0)
+            ticket.order()
+            for seq in seqs:
+                if seq.loading is not None:
+                    self.scheduler.loaded(seq)
+
+    def _order_dropped_loads(self) -> None:
+        """A sequence that left while its blocks were loading (cancelled,
+        preempted) gave those blocks back: the compute stream waits for the
+        copies before anything may reuse them."""
+        for ticket, seqs in self._loading:
+            if any(seq.loading is None for seq in seqs):
+                ticket.order()
 
     def _runs_ahead(self, plan: StepPlan) -> bool:
         """Whether `plan` may launch before the previous step's tokens are

@@ -56,6 +56,28 @@ class SampledTokens:
         return self.tokens.tolist()
 
 
+class LoadTicket:
+    """When blocks loaded from host RAM are in the pool: `done()` asks without
+    waiting; `order()` makes the compute stream wait for them (before a
+    forward that reads them, or reuses their blocks); `wait()` blocks the
+    host. Copies that ran synchronously (no CUDA) are done at once."""
+
+    def __init__(self, event: Optional["torch.cuda.Event"],
+                 compute: Optional["torch.cuda.Stream"]) -> None:
+        self._event, self._compute = event, compute
+
+    def done(self) -> bool:
+        return self._event is None or self._event.query()
+
+    def order(self) -> None:
+        if self._event is not None:
+            self._compute.wait_event(self._event)
+
+    def wait(self) -> None:
+        if self._event is not None:
+            self._event.synchronize()
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, tp: Optional[TensorParallel] = None,
                  checkpoint: Optional[Checkpoint] = None, model: Optional[LlamaModel] = None):
@@ -155,18 +177,22 @@ class ModelRunner:
                  self.host_kv.nbytes / 2**30, ", pinned" if pin else "")
 
     def move_blocks(self, spills: Sequence[tuple[int, int]],
-                    loads: Sequence[tuple[int, int]]) -> int:
+                    loads: Sequence[tuple[int, int]]) -> tuple[int, "LoadTicket"]:
         """Copy (GPU block, host slot) pairs out, then (host slot, GPU block)
-        pairs in, ahead of the step's forward that reads or overwrites those
-        blocks. Returns the bytes moved.
+        pairs in. Returns the bytes moved and a ticket that says when the
+        loaded blocks are in the pool.
 
-        On CUDA the PCIe copies run on two copy streams, beside the compute:
-        a spill gathers its blocks into a staging buffer on the compute stream
-        (so the forward may overwrite them at once) and copies that to host
-        RAM in the background; a load copies into a staging buffer and the
-        compute stream waits only for that before scattering it into the
-        pool. Each direction waits for the other's previous step, because a
-        slot emptied by a load may be refilled by the next step's spill."""
+        On CUDA the PCIe copies run on two copy streams, beside the compute,
+        and nothing here waits for the GPU. A spill gathers its blocks into a
+        staging buffer on the compute stream (so the forward may overwrite
+        them at once) and copies that to host RAM in the background. A load
+        copies into a staging buffer and scatters it into the pool on the
+        "in" stream, after the compute queued so far (a block freed by a
+        sequence still in the forward in flight, or gathered by this step's
+        spill, is not overwritten early); the compute stream does not wait
+        for it: the blocks' sequence joins a later step, once the ticket is
+        done. Each direction waits for the other's previous copies, because
+        a slot emptied by a load may be refilled by a later spill."""
         kv, moved = self.kv_cache, 0
         planes = [(kv.data, self.host_kv)]
         if kv.scales is not None:
@@ -179,25 +205,30 @@ class ModelRunner:
         before = dict(self._copied)
         for pool, host in planes:
             if spills:
-                blocks = torch.tensor([b for b, _ in spills], dtype=torch.long, device=self.device)
+                blocks = self._device_index([b for b, _ in spills])
                 staged = pool.index_select(2, blocks).movedim(2, 0).contiguous()
                 with self._on_copy_stream("out", before["in"], compute, staged):
                     for i, (_, slot) in enumerate(spills):
                         host[slot].copy_(staged[i], non_blocking=True)
                 moved += staged.nbytes
             if loads:
-                with self._on_copy_stream("in", before["out"], None, None):
+                with self._on_copy_stream("in", before["out"], compute, None):
                     staged = torch.empty((len(loads), *host.shape[1:]), dtype=host.dtype,
                                          device=self.device)
                     for i, (slot, _) in enumerate(loads):
                         staged[i].copy_(host[slot], non_blocking=True)
-                if streams:
-                    compute.wait_event(self._copied["in"])
-                    staged.record_stream(compute)
-                blocks = torch.tensor([b for _, b in loads], dtype=torch.long, device=self.device)
-                pool[:, :, blocks] = staged.movedim(0, 2)
+                    pool[:, :, self._device_index([b for _, b in loads])] = staged.movedim(0, 2)
                 moved += staged.nbytes
-        return moved
+        return moved, LoadTicket(self._copied["in"] if loads and streams else None, compute)
+
+    def _device_index(self, values: list[int]) -> torch.Tensor:
+        """Block ids on the device, on the current stream, without waiting
+        for it (a plain host-to-device copy would synchronize with the step
+        in flight)."""
+        index = torch.tensor(values, dtype=torch.long)
+        if self.device.type != "cuda":
+            return index
+        return index.pin_memory().to(self.device, non_blocking=True)
 
     @contextlib.contextmanager
     def _on_copy_stream(self, direction: str, wait: Optional["torch.cuda.Event"],

@@ -10,6 +10,9 @@ Policy (see docs/engine.md):
 - When the pool is short, the manager evicts least recently used cached
   sessions; if that is not enough, the newest running sequence is preempted
   (its KV dropped, re-prefilled later from its token IDs).
+- A request admitted with blocks to load from the host-RAM tier holds its
+  slot and blocks but is left out of the batch until the engine reports the
+  copies landed (`loaded`), so the batch never waits for PCIe.
 """
 
 from __future__ import annotations
@@ -76,6 +79,9 @@ class Sequence:
     finish_reason: Optional[str] = None
     first_admitted: Optional[float] = None
     admit_order: int = -1  # position in the running order, set on admission
+    # Host-tier blocks on their way into the pool: (first block, names).
+    # Left out of every step until they land.
+    loading: Optional[tuple[int, list[int]]] = None
 
     @property
     def num_generated(self) -> int:
@@ -112,9 +118,11 @@ class StepPlan:
     scheduled: list[ScheduledSeq]
     preempted: list[Sequence]
     # Host-RAM tier copies to make before the forward, in this order:
-    # (GPU block, host slot) out, then (host slot, GPU block) in.
+    # (GPU block, host slot) out, then (host slot, GPU block) in; `loading`
+    # the sequences those loads are for (they wait for `loaded`).
     spills: list[tuple[int, int]] = field(default_factory=list)
     loads: list[tuple[int, int]] = field(default_factory=list)
+    loading: list[Sequence] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
@@ -130,6 +138,7 @@ class Scheduler:
         if self.host is not None:
             kv_manager.set_record_reclaimed(True)
         self._loads: list[tuple[int, int]] = []
+        self._loading: list[Sequence] = []
         self.slots: list[Optional[Sequence]] = [None] * config.max_batch_size
         self._free_slots = list(range(config.max_batch_size - 1, -1, -1))  # stack, lowest on top
         self.waiting: deque[Sequence] = deque()
@@ -170,6 +179,8 @@ class Scheduler:
 
         decoding, prefilling = [], []  # both oldest first
         for seq in self._running.values():
+            if seq.loading is not None:
+                continue  # its history is still being copied in
             if seq.inflight and self._last_token_in_flight(seq):
                 continue  # finishes when that token is delivered
             (decoding if seq.in_decode else prefilling).append(seq)
@@ -210,6 +221,8 @@ class Scheduler:
             if not self._admit(seq):
                 break  # head of line waits for blocks; nobody overtakes it
             self.waiting.popleft()
+            if seq.loading is not None:
+                continue  # computes once its blocks from host RAM land
             if self.config.prefix_caching:
                 computing.update(seq.block_hashes[seq.named_blocks:])
             # _admit reserved blocks for all known tokens, so any chunk fits
@@ -225,6 +238,7 @@ class Scheduler:
         first (unless it holds them already); loads admitted this step
         follow. Slots being loaded are not reused for this step's spills."""
         plan.loads, self._loads = self._loads, []
+        plan.loading, self._loading = self._loading, []
         for block, name in self.kv.take_reclaimed():
             slot = self.host.store(name)
             if slot is not None:
@@ -247,6 +261,14 @@ class Scheduler:
                 seq.inflight += 1
             self._name_blocks(seq)
 
+    def loaded(self, seq: Sequence) -> None:
+        """The host-tier blocks of `seq`'s admission are in the pool: name
+        them (from now on other requests may take them) and let it run."""
+        first, names = seq.loading
+        seq.loading = None
+        self.kv.commit_block_hashes(seq.kv_key, first, names)
+        seq.named_blocks = first + len(names)
+
     def deliver(self, seq: Sequence, token: int) -> None:
         """The sampled token of `seq`'s step in flight."""
         seq.inflight -= 1
@@ -261,6 +283,7 @@ class Scheduler:
             if self.kv.contains(seq.kv_key) and not keep_kv:
                 self.kv.erase(seq.kv_key)
         elif seq.status is SeqStatus.RUNNING:
+            seq.loading = None  # the engine orders its copies before the pool's next use
             self._leave_slot(seq)
             self._name_blocks(seq)
             if keep_kv:
@@ -325,12 +348,13 @@ class Scheduler:
             self._unadmit_kv(seq, existed)
             return False
         kv.set_num_tokens(seq.kv_key, resident)
-        if in_host:  # copied in before this step's forward; named now
+        if in_host:  # copied in beside the compute; named once they land
             blocks = kv.block_table(seq.kv_key)[on_gpu:on_gpu + len(in_host)]
             self._loads.extend(zip(in_host, blocks))
             names = seq.block_hashes[on_gpu:on_gpu + len(in_host)]
             self.host.take(names)
-            kv.commit_block_hashes(seq.kv_key, on_gpu, names)
+            seq.loading = (on_gpu, list(names))
+            self._loading.append(seq)
         if seq.session_id is not None and seq.first_admitted is None:
             if seq.history_len > 0:
                 if resident > 0:
@@ -344,7 +368,7 @@ class Scheduler:
             seq.cached_tokens = resident
         seq.num_computed = resident
         # A resident session's full blocks were named when they were written.
-        seq.named_blocks = resident // bs
+        seq.named_blocks = on_gpu if in_host else resident // bs
         self._take_slot(seq)
         return True
 
@@ -400,6 +424,7 @@ class Scheduler:
         self.preemptions += 1
         plan.scheduled = [item for item in plan.scheduled if item.seq is not seq]
         plan.preempted.append(seq)
+        seq.loading = None  # the engine orders its copies before the pool's next use
         self._leave_slot(seq)
         self._name_blocks(seq)
         self.kv.release(seq.kv_key)

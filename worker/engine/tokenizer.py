@@ -7,6 +7,9 @@ See docs/tokenizer.md for the BOS policy and the streaming guarantee.
 from __future__ import annotations
 
 import json
+import re
+import threading
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
@@ -80,6 +83,8 @@ class Tokenizer:
         self.post_processor_adds_bos = (
             bos_token_id is not None and probe_with[:1] == [bos_token_id]
             and probe_without[:1] != [bos_token_id])
+        self._pieces = _PieceCache.for_tokenizer(hf)
+
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "Tokenizer":
@@ -131,6 +136,8 @@ class Tokenizer:
         """Token ids of `text`. With `add_bos`, the ids start with exactly one BOS when
         the model has one; a BOS the text itself spells out counts as that one."""
         if not add_bos or not self.add_bos_token:
+            if self._pieces is not None:
+                return self._pieces.encode(text)
             return self.hf.encode(text, add_special_tokens=False).ids
         ids = self.hf.encode(text, add_special_tokens=True).ids
         bos = self.bos_token_id
@@ -146,6 +153,71 @@ class Tokenizer:
             bad = next(i for i in ids if not 0 <= i < self.vocab_size)
             raise TokenizerError(f"token id {bad} is outside the vocabulary (size {self.vocab_size})")
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+class _PieceCache:
+    """Encodes text piece by piece between special tokens, remembering the
+    pieces it has seen. A chat client that resends the whole conversation
+    every turn sends the same messages again and again; only the new ones
+    are tokenized. Exact: the tokenizer itself cuts text at its added tokens
+    and tokenizes each piece on its own, so the pieces' ids joined are the
+    whole text's. Used only where that holds for the cuts made here (no
+    normalizer, no pre-tokenizer that treats the first piece differently,
+    special tokens matched verbatim and not inside a longer added token)."""
+
+    MAX_PIECES = 4096
+    MIN_CACHED_CHARS = 64  # shorter pieces are cheaper to encode than to remember
+
+    def __init__(self, hf: HFTokenizer, markers: dict[str, int]) -> None:
+        self.hf = hf
+        self.markers = markers
+        self.split = re.compile("|".join(re.escape(m) for m in sorted(markers, key=len, reverse=True)))
+        self._ids: "OrderedDict[str, list[int]]" = OrderedDict()
+        self._lock = threading.Lock()  # the socket thread and the step thread both encode
+
+    @classmethod
+    def for_tokenizer(cls, hf: HFTokenizer) -> Optional["_PieceCache"]:
+        doc = json.loads(hf.to_str())
+        pre = json.dumps(doc.get("pre_tokenizer"))
+        if doc.get("normalizer") is not None or "Metaspace" in pre or "prepend_scheme" in pre:
+            return None
+        added = hf.get_added_tokens_decoder()
+        markers = {t.content: i for i, t in added.items()
+                   if t.special and t.content and not (t.lstrip or t.rstrip or t.single_word
+                                                       or t.normalized)}
+        if not markers:
+            return None
+        cache = cls(hf, markers)
+        if any(t.content not in markers and cache.split.search(t.content) for t in added.values()):
+            return None  # a marker inside a longer added token: the cuts could differ
+        return cache
+
+    def encode(self, text: str) -> list[int]:
+        ids: list[int] = []
+        pos = 0
+        for m in self.split.finditer(text):
+            if m.start() > pos:
+                ids += self._piece(text[pos:m.start()])
+            ids.append(self.markers[m.group()])
+            pos = m.end()
+        if pos < len(text):
+            ids += self._piece(text[pos:])
+        return ids
+
+    def _piece(self, piece: str) -> list[int]:
+        if len(piece) < self.MIN_CACHED_CHARS:
+            return self.hf.encode(piece, add_special_tokens=False).ids
+        with self._lock:
+            ids = self._ids.get(piece)
+            if ids is not None:
+                self._ids.move_to_end(piece)
+                return ids
+        ids = self.hf.encode(piece, add_special_tokens=False).ids
+        with self._lock:
+            self._ids[piece] = ids
+            if len(self._ids) > self.MAX_PIECES:
+                self._ids.popitem(last=False)
+        return ids
 
 
 # How many prompt tokens give context to the first generated tokens: enough for a

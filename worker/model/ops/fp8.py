@@ -17,6 +17,10 @@ import torch
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite E4M3 value
+# Scales are amax times this (not amax / 448): torch on CUDA divides by a
+# scalar as a multiply by its reciprocal, so this is the one rounding every
+# device and the fused kernel (native/cuda/quant.cu) share.
+FP8_MAX_INV = 1.0 / FP8_MAX
 QUANTIZATIONS = ("fp8",)
 QUANTIZED = ("qkv", "o", "gate_up", "down")  # per-layer weights that go to FP8
 
@@ -38,7 +42,7 @@ class Fp8Weight:
 def quantize_weight(w: torch.Tensor) -> Fp8Weight:
     """Per output channel: the row's largest magnitude maps to FP8_MAX."""
     wf = w.float()
-    scale = (wf.abs().amax(dim=1) / FP8_MAX).clamp(min=1e-12)
+    scale = (wf.abs().amax(dim=1) * FP8_MAX_INV).clamp(min=1e-12)
     data = (wf / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return Fp8Weight(data.contiguous(), scale.contiguous())
 
@@ -46,7 +50,7 @@ def quantize_weight(w: torch.Tensor) -> Fp8Weight:
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per token (row): x ~= q.float() * scale, q E4M3 [M, K], scale [M, 1] float32."""
     xf = x.float()
-    scale = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=1e-12)
+    scale = (xf.abs().amax(dim=-1, keepdim=True) * FP8_MAX_INV).clamp(min=1e-12)
     return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 

@@ -31,6 +31,7 @@ from turbomq.worker.model.llama import LlamaModel  # noqa: E402
 
 
 def real_model_error() -> dict:
+    sys.path.insert(0, str(HERE.parent / "tests" / "model"))
     from helpers import our_logits, smollm2_gguf
     from test_fp8 import TEXTS
     from turbomq.worker.engine.tokenizer import Tokenizer

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cuda_bf16.h>
+#include <cuda_fp8.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
@@ -92,6 +93,17 @@ __device__ __forceinline__ float warp_sum(float x) {
   for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
   return x;
 }
+// Per-row FP8 (E4M3) activation scale: max(amax * (1/448), 1e-12). A
+// multiply, as the reference's (torch divides by a scalar so on CUDA).
+constexpr float kFp8MaxInv = 1.0f / 448.0f;
+
+__device__ __forceinline__ float fp8_scale(float amax) { return fmaxf(amax * kFp8MaxInv, 1e-12f); }
+
+// x / scale rounded to E4M3 (nearest even, saturating), as a float.
+__device__ __forceinline__ float fp8_round(float x, float scale) {
+  return static_cast<float>(__nv_fp8_e4m3(__fdiv_rn(x, scale)));
+}
+
 __device__ __forceinline__ float warp_max(float x) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));

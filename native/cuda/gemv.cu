@@ -10,6 +10,13 @@
 // R are, so a row's result does not depend on the batch it is in. At batch 1
 // the decoder layer is six launches: these fusions remove the norm, add and
 // silu_mul kernels (and their launch gaps) between the projections.
+//
+// FP8 weights (E4M3, a float scale per output channel) take the same kernel
+// with 16 weights per 16-byte load, half the bytes of 16-bit weights. The
+// staged x rows are quantized per row in the prologue (after the norm, if
+// any) exactly as quantize_fp8 does, so each product is the reference's
+// q_x * q_w, summed in fp32 and scaled by (x scale) * (weight scale) before
+// the epilogue: fp8_linear_reference's numbers, one launch per projection.
 #include <type_traits>
 
 #include "common.cuh"
@@ -40,6 +47,22 @@ __device__ __forceinline__ float2 widen2<__half>(std::uint32_t u) {
   return __half22float2(*reinterpret_cast<__half2*>(&u));
 }
 
+// 16 E4M3 values -> float.
+__device__ __forceinline__ void widen16_fp8(const uint4& v, float* f) {
+  const std::uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(
+          static_cast<__nv_fp8x2_storage_t>(w[i] >> (16 * j)), __NV_E4M3);
+      const float2 p = __half22float2(*reinterpret_cast<const __half2*>(&h));
+      f[4 * i + 2 * j] = p.x;
+      f[4 * i + 2 * j + 1] = p.y;
+    }
+  }
+}
+
 template <typename T>
 __device__ __forceinline__ void widen8(const uint4& v, float* f) {
   const std::uint32_t w[4] = {v.x, v.y, v.z, v.w};
@@ -48,6 +71,16 @@ __device__ __forceinline__ void widen8(const uint4& v, float* f) {
     const float2 p = widen2<T>(w[i]);
     f[2 * i] = p.x;
     f[2 * i + 1] = p.y;
+  }
+}
+
+// A 16-byte chunk of weights -> its 8 (16-bit) or 16 (FP8) values.
+template <typename TW>
+__device__ __forceinline__ void widen_weights(const uint4& v, float* f) {
+  if constexpr (std::is_same_v<TW, __nv_fp8_e4m3>) {
+    widen16_fp8(v, f);
+  } else {
+    widen8<TW>(v, f);
   }
 }
 
@@ -84,11 +117,12 @@ struct RopeKV {
   int num_heads, num_kv_heads, head_dim, block_size;
 };
 
-template <typename T>
+template <typename T, typename TW>
 struct GemvArgs {
   T* y;
   const T* x;
-  const T* w;
+  const TW* w;        // T, or E4M3 with w_scale
+  const float* w_scale;  // FP8: [rows of w]
   int n_out;  // output columns (kSiluMul: w has 2 * n_out rows; kRopeKV: row pairs)
   int k_in;
   const T* norm_w;  // kRmsNorm
@@ -105,9 +139,13 @@ __device__ __forceinline__ int rope_row(int p, int head_dim) {
 // x is read only after grid_dependency_wait (the previous kernel may still be
 // writing it when this one starts): through L2 (__ldcg), staged once per
 // block in shared memory when it fits (kSmemX), else per use.
-template <typename T, int M, int R, int W, bool kSmemX, Prologue P, Epilogue E>
-__global__ void __launch_bounds__(W * 32) gemv_kernel(const GemvArgs<T> a) {
+template <typename T, typename TW, int M, int R, int W, bool kSmemX, Prologue P, Epilogue E>
+__global__ void __launch_bounds__(W * 32) gemv_kernel(const GemvArgs<T, TW> a) {
+  constexpr bool kFp8 = std::is_same_v<TW, __nv_fp8_e4m3>;
   static_assert(P == Prologue::kNone || kSmemX, "the norm prologue works on staged x");
+  static_assert(!kFp8 || kSmemX, "FP8 quantizes the staged x");
+  constexpr int kE = 16 / sizeof(TW);  // weights per 16-byte chunk
+  constexpr int kXv = kE / 8;          // x vectors (8 values) per chunk
   static_assert((E != Epilogue::kSiluMul && E != Epilogue::kRopeKV) || R == 2,
                 "silu_mul and rope pair two rows per warp");
   constexpr bool kPaired = E == Epilogue::kSiluMul || E == Epilogue::kRopeKV;
@@ -120,8 +158,10 @@ __global__ void __launch_bounds__(W * 32) gemv_kernel(const GemvArgs<T> a) {
   const int warp_id = blockIdx.x * W + threadIdx.x / 32;
   // First output column of this warp (may be past n_out: no writes) and its weight rows.
   const int n0 = kPaired ? warp_id : warp_id * R;
-  const int kv = a.k_in / 8;  // 16-byte chunks per row
+  const int kv = a.k_in / kE;  // 16-byte weight chunks per row
+  const int kxv = a.k_in / 8;  // 8-value x vectors per row
   const uint4* wr[R];
+  float ws[R];  // FP8: the rows' scales
 #pragma unroll
   for (int r = 0; r < R; ++r) {
     int row;
@@ -133,6 +173,7 @@ __global__ void __launch_bounds__(W * 32) gemv_kernel(const GemvArgs<T> a) {
       row = min(n0 + r, a.n_out - 1);
     }
     wr[r] = reinterpret_cast<const uint4*>(a.w) + static_cast<std::int64_t>(row) * kv;
+    ws[r] = kFp8 ? __ldg(a.w_scale + row) : 1.0f;
   }
   uint4 wv[kU][R];
   int base = lane;
@@ -141,7 +182,7 @@ __global__ void __launch_bounds__(W * 32) gemv_kernel(const GemvArgs<T> a) {
   grid_dependency_wait();
   const uint4* xv = reinterpret_cast<const uint4*>(a.x);
   if constexpr (kSmemX) {
-    for (int i = threadIdx.x; i < M * kv; i += kThreads) xs[i] = __ldcg(xv + i);
+    for (int i = threadIdx.x; i < M * kxv; i += kThreads) xs[i] = __ldcg(xv + i);
     __syncthreads();
   }
   if constexpr (P == Prologue::kRmsNorm) {
@@ -150,9 +191,9 @@ __global__ void __launch_bounds__(W * 32) gemv_kernel(const GemvArgs<T> a) {
 #pragma unroll
     for (int m = 0; m < M; ++m) {
       ss[m] = 0.0f;
-      for (int i = threadIdx.x; i < kv; i += kThreads) {
+      for (int i = threadIdx.x; i < kxv; i += kThreads) {
         float f[8];
-        widen8<T>(xs[m * kv + i], f);
+        widen8<T>(xs[m * kxv + i], f);
 #pragma unroll
         for (int e = 0; e < 8; ++e) ss[m] += f[e] * f[e];
       }
@@ -169,17 +210,50 @@ __global__ void __launch_bounds__(W * 32) gemv_kernel(const GemvArgs<T> a) {
       inv[m] = rsqrtf(total / static_cast<float>(a.k_in) + a.eps);
     }
     const uint4* nw = reinterpret_cast<const uint4*>(a.norm_w);
-    for (int i = threadIdx.x; i < kv; i += kThreads) {
+    for (int i = threadIdx.x; i < kxv; i += kThreads) {
       float g[8];
       widen8<T>(__ldg(nw + i), g);
 #pragma unroll
       for (int m = 0; m < M; ++m) {
         float f[8];
-        widen8<T>(xs[m * kv + i], f);
+        widen8<T>(xs[m * kxv + i], f);
 #pragma unroll
         for (int e = 0; e < 8; ++e) f[e] = g[e] * round_to<T>(f[e] * inv[m]);
-        xs[m * kv + i] = pack8<T>(f);
+        xs[m * kxv + i] = pack8<T>(f);
       }
+    }
+    __syncthreads();
+  }
+
+  float sx[M];  // FP8: each row's scale
+  if constexpr (kFp8) {
+    // x[m] <- e4m3(x[m] / scale[m]) (held exactly in T), as quantize_fp8.
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      float amax = 0.0f;
+      for (int i = threadIdx.x; i < kxv; i += kThreads) {
+        float f[8];
+        widen8<T>(xs[m * kxv + i], f);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) amax = fmaxf(amax, fabsf(f[e]));
+      }
+      amax = warp_max(amax);
+      if (lane == 0) partial[threadIdx.x / 32][m] = amax;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      float amax = 0.0f;
+#pragma unroll
+      for (int i = 0; i < W; ++i) amax = fmaxf(amax, partial[i][m]);
+      sx[m] = fp8_scale(amax);
+    }
+    for (int i = threadIdx.x; i < M * kxv; i += kThreads) {
+      float f[8];
+      widen8<T>(xs[i], f);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) f[e] = fp8_round(f[e], sx[i / kxv]);
+      xs[i] = pack8<T>(f);
     }
     __syncthreads();
   }
@@ -194,19 +268,22 @@ __global__ void __launch_bounds__(W * 32) gemv_kernel(const GemvArgs<T> a) {
     for (int u = 0; u < kU; ++u) {
       const int k = base + 32 * u;
       if (k < kv) {
-        float wf[R][8];
+        float wf[R][kE];
 #pragma unroll
-        for (int r = 0; r < R; ++r) widen8<T>(wv[u][r], wf[r]);
+        for (int r = 0; r < R; ++r) widen_weights<TW>(wv[u][r], wf[r]);
 #pragma unroll
         for (int m = 0; m < M; ++m) {
-          float xf[8];
-          const int xi = m * kv + k;
-          widen8<T>(kSmemX ? xs[xi] : __ldcg(xv + xi), xf);
+          float xf[kE];
+#pragma unroll
+          for (int j = 0; j < kXv; ++j) {
+            const int xi = m * kxv + k * kXv + j;
+            widen8<T>(kSmemX ? xs[xi] : __ldcg(xv + xi), xf + 8 * j);
+          }
 #pragma unroll
           for (int r = 0; r < R; ++r) {
             float s = acc[m][r];
 #pragma unroll
-            for (int e = 0; e < 8; ++e) s = fmaf(xf[e], wf[r][e], s);
+            for (int e = 0; e < kE; ++e) s = fmaf(xf[e], wf[r][e], s);
             acc[m][r] = s;
           }
         }
@@ -219,7 +296,10 @@ __global__ void __launch_bounds__(W * 32) gemv_kernel(const GemvArgs<T> a) {
 #pragma unroll
   for (int m = 0; m < M; ++m)
 #pragma unroll
-    for (int r = 0; r < R; ++r) acc[m][r] = warp_sum(acc[m][r]);
+    for (int r = 0; r < R; ++r) {
+      acc[m][r] = warp_sum(acc[m][r]);
+      if constexpr (kFp8) acc[m][r] = acc[m][r] * sx[m] * ws[r];  // as the reference
+    }
   if constexpr (E == Epilogue::kRopeKV) {
     // Lane m rotates (m, pair n0) as rotary does (products and sum rounded
     // apart) and stores it as rotary_write_kv would.
@@ -280,12 +360,12 @@ __global__ void __launch_bounds__(W * 32) gemv_kernel(const GemvArgs<T> a) {
 
 bool g_programmatic_launch = true;
 
-template <typename T, int M, int W, bool kSmemX, Prologue P, Epilogue E>
-void launch_gemv_x(const GemvArgs<T>& a, cudaStream_t s) {
+template <typename T, typename TW, int M, int W, bool kSmemX, Prologue P, Epilogue E>
+void launch_gemv_x(const GemvArgs<T, TW>& a, cudaStream_t s) {
   constexpr bool kPaired = E == Epilogue::kSiluMul || E == Epilogue::kRopeKV;
   constexpr int R = (kPaired || M > 2) ? 2 : 1;
   constexpr int kColsPerWarp = kPaired ? 1 : R;
-  auto kernel = gemv_kernel<T, M, R, W, kSmemX, P, E>;
+  auto kernel = gemv_kernel<T, TW, M, R, W, kSmemX, P, E>;
   const std::size_t smem = kSmemX ? static_cast<std::size_t>(M) * a.k_in * sizeof(T) : 0;
   if (smem > 48 * 1024) {
     static bool opted_in = false;  // one instantiation, one attribute call
@@ -312,54 +392,59 @@ void launch_gemv_x(const GemvArgs<T>& a, cudaStream_t s) {
 
 // Long rows (the down projection's K = 14336) take 8 warps a block, so one
 // staged copy of x serves twice the rows and the grid fits in one wave.
-template <typename T, int M, Prologue P, Epilogue E>
-void launch_gemv(const GemvArgs<T>& a, cudaStream_t s) {
+template <typename T, typename TW, int M, Prologue P, Epilogue E>
+void launch_gemv(const GemvArgs<T, TW>& a, cudaStream_t s) {
+  constexpr bool kFp8 = std::is_same_v<TW, __nv_fp8_e4m3>;
   const bool smem_x = static_cast<std::int64_t>(M) * a.k_in * sizeof(T) <= kGemvSmemBytes;
-  if constexpr (P == Prologue::kNone) {
-    if (!smem_x) return launch_gemv_x<T, M, 4, false, P, E>(a, s);
+  if constexpr (P == Prologue::kNone && !kFp8) {
+    if (!smem_x) return launch_gemv_x<T, TW, M, 4, false, P, E>(a, s);
   }
-  require(smem_x, "gemv: the fused norm needs rows * K * 2 <= " +
-                      std::to_string(kGemvSmemBytes) + " bytes");
-  if (a.k_in > 8192) return launch_gemv_x<T, M, 8, true, P, E>(a, s);
-  launch_gemv_x<T, M, 4, true, P, E>(a, s);
+  require(smem_x, std::string("gemv: ") + (kFp8 ? "FP8 weights need" : "the fused norm needs") +
+                      " rows * K * 2 <= " + std::to_string(kGemvSmemBytes) + " bytes");
+  if (a.k_in > 8192) return launch_gemv_x<T, TW, M, 8, true, P, E>(a, s);
+  launch_gemv_x<T, TW, M, 4, true, P, E>(a, s);
 }
 
-// The fused forms serve decode at batch 1-4 only (fewer instantiations).
-template <typename T, Prologue P, Epilogue E>
-void dispatch_rows(const GemvArgs<T>& a, int m, cudaStream_t s) {
-  constexpr bool kPlain = P == Prologue::kNone && E == Epilogue::kStore;
-  require(kPlain || m <= kGemvMaxFusedRows, "gemv: fused forms take at most 4 rows");
+// The fused forms, and FP8 weights, serve decode at batch 1-4 only (fewer
+// instantiations).
+template <typename T, typename TW, Prologue P, Epilogue E>
+void dispatch_rows(const GemvArgs<T, TW>& a, int m, cudaStream_t s) {
+  constexpr bool kPlain =
+      P == Prologue::kNone && E == Epilogue::kStore && !std::is_same_v<TW, __nv_fp8_e4m3>;
+  require(kPlain || m <= kGemvMaxFusedRows,
+          "gemv: fused forms and FP8 weights take at most 4 rows");
   switch (m) {
-    case 1: return launch_gemv<T, 1, P, E>(a, s);
-    case 2: return launch_gemv<T, 2, P, E>(a, s);
-    case 3: return launch_gemv<T, 3, P, E>(a, s);
-    case 4: return launch_gemv<T, 4, P, E>(a, s);
+    case 1: return launch_gemv<T, TW, 1, P, E>(a, s);
+    case 2: return launch_gemv<T, TW, 2, P, E>(a, s);
+    case 3: return launch_gemv<T, TW, 3, P, E>(a, s);
+    case 4: return launch_gemv<T, TW, 4, P, E>(a, s);
   }
   if constexpr (kPlain) {
     switch (m) {
-      case 5: return launch_gemv<T, 5, P, E>(a, s);
-      case 6: return launch_gemv<T, 6, P, E>(a, s);
-      case 7: return launch_gemv<T, 7, P, E>(a, s);
-      default: return launch_gemv<T, 8, P, E>(a, s);
+      case 5: return launch_gemv<T, TW, 5, P, E>(a, s);
+      case 6: return launch_gemv<T, TW, 6, P, E>(a, s);
+      case 7: return launch_gemv<T, TW, 7, P, E>(a, s);
+      default: return launch_gemv<T, TW, 8, P, E>(a, s);
     }
   }
 }
 
-template <typename T, Prologue P>
-void dispatch_epilogue(const GemvArgs<T>& a, int m, GemvEpilogue epilogue, cudaStream_t s) {
+template <typename T, typename TW, Prologue P>
+void dispatch_epilogue(const GemvArgs<T, TW>& a, int m, GemvEpilogue epilogue, cudaStream_t s) {
   switch (epilogue) {
-    case GemvEpilogue::kStore: return dispatch_rows<T, P, Epilogue::kStore>(a, m, s);
-    case GemvEpilogue::kAddInto: return dispatch_rows<T, P, Epilogue::kAddInto>(a, m, s);
-    case GemvEpilogue::kSiluMul: return dispatch_rows<T, P, Epilogue::kSiluMul>(a, m, s);
+    case GemvEpilogue::kStore: return dispatch_rows<T, TW, P, Epilogue::kStore>(a, m, s);
+    case GemvEpilogue::kAddInto: return dispatch_rows<T, TW, P, Epilogue::kAddInto>(a, m, s);
+    case GemvEpilogue::kSiluMul: return dispatch_rows<T, TW, P, Epilogue::kSiluMul>(a, m, s);
   }
 }
 
-template <typename T>
-void dispatch_gemv(const GemvArgs<T>& a, int m, bool norm, GemvEpilogue epilogue, cudaStream_t s) {
+template <typename T, typename TW>
+void dispatch_gemv(const GemvArgs<T, TW>& a, int m, bool norm, GemvEpilogue epilogue,
+                   cudaStream_t s) {
   if (norm) {
-    dispatch_epilogue<T, Prologue::kRmsNorm>(a, m, epilogue, s);
+    dispatch_epilogue<T, TW, Prologue::kRmsNorm>(a, m, epilogue, s);
   } else {
-    dispatch_epilogue<T, Prologue::kNone>(a, m, epilogue, s);
+    dispatch_epilogue<T, TW, Prologue::kNone>(a, m, epilogue, s);
   }
 }
 
@@ -371,30 +456,36 @@ bool programmatic_launch() { return g_programmatic_launch; }
 namespace {
 
 void check_gemv_args(std::uintptr_t x, std::uintptr_t w, std::int64_t rows, std::int64_t n_out,
-                     std::int64_t k_in, DType dtype, std::uintptr_t norm_weight) {
+                     std::int64_t k_in, DType dtype, std::uintptr_t norm_weight,
+                     std::uintptr_t w_scale) {
   require(dtype == DType::kF16 || dtype == DType::kBF16, "gemv: dtype must be float16 or bfloat16");
   require(rows >= 1 && rows <= kGemvMaxRows, "gemv: rows must be 1..8");
   require(k_in > 0 && k_in % 8 == 0 && n_out > 0, "gemv: K must be a positive multiple of 8");
-  require(x % 16 == 0 && w % 16 == 0 && norm_weight % 16 == 0,
-          "gemv: x, w and the norm weight must be 16-byte aligned");
+  require(w_scale == 0 || k_in % 16 == 0, "gemv: FP8 weights need K a multiple of 16");
+  require(x % 16 == 0 && w % 16 == 0 && norm_weight % 16 == 0 && w_scale % 4 == 0,
+          "gemv: x, w and the norm weight must be 16-byte aligned, the scales 4-byte");
   require(n_out < (1LL << 30) && k_in < (1LL << 31), "gemv: sizes too large");
 }
 
-// Builds the arguments for T and runs f(args).
+// Builds the arguments for T (and FP8 weights where w_scale != 0) and runs f(args).
 template <typename F>
 void with_gemv_args(DType dtype, std::uintptr_t y, std::uintptr_t x, std::uintptr_t w,
-                    std::int64_t n_out, std::int64_t k_in, std::uintptr_t norm_weight, float eps,
-                    const RopeKV& rope, F&& f) {
-  auto run = [&](auto tag) {
+                    std::uintptr_t w_scale, std::int64_t n_out, std::int64_t k_in,
+                    std::uintptr_t norm_weight, float eps, const RopeKV& rope, F&& f) {
+  auto run = [&](auto tag, auto weight_tag) {
     using T = decltype(tag);
-    f(GemvArgs<T>{reinterpret_cast<T*>(y), reinterpret_cast<const T*>(x),
-                  reinterpret_cast<const T*>(w), static_cast<int>(n_out), static_cast<int>(k_in),
-                  reinterpret_cast<const T*>(norm_weight), eps, rope});
+    using TW = decltype(weight_tag);
+    f(GemvArgs<T, TW>{reinterpret_cast<T*>(y), reinterpret_cast<const T*>(x),
+                      reinterpret_cast<const TW*>(w), reinterpret_cast<const float*>(w_scale),
+                      static_cast<int>(n_out), static_cast<int>(k_in),
+                      reinterpret_cast<const T*>(norm_weight), eps, rope});
   };
   if (dtype == DType::kF16) {
-    run(__half{});
+    if (w_scale != 0) return run(__half{}, __nv_fp8_e4m3{});
+    run(__half{}, __half{});
   } else {
-    run(__nv_bfloat16{});
+    if (w_scale != 0) return run(__nv_bfloat16{}, __nv_fp8_e4m3{});
+    run(__nv_bfloat16{}, __nv_bfloat16{});
   }
 }
 
@@ -402,11 +493,13 @@ void with_gemv_args(DType dtype, std::uintptr_t y, std::uintptr_t x, std::uintpt
 
 void gemv(std::uintptr_t y, std::uintptr_t x, std::uintptr_t w, std::int64_t rows,
           std::int64_t n_out, std::int64_t k_in, DType dtype, std::uintptr_t stream,
-          std::uintptr_t norm_weight, float eps, GemvEpilogue epilogue) {
-  check_gemv_args(x, w, rows, n_out, k_in, dtype, norm_weight);
-  with_gemv_args(dtype, y, x, w, n_out, k_in, norm_weight, eps, RopeKV{}, [&](const auto& a) {
-    dispatch_gemv(a, static_cast<int>(rows), norm_weight != 0, epilogue, as_stream(stream));
-  });
+          std::uintptr_t norm_weight, float eps, GemvEpilogue epilogue, std::uintptr_t w_scale) {
+  check_gemv_args(x, w, rows, n_out, k_in, dtype, norm_weight, w_scale);
+  with_gemv_args(dtype, y, x, w, w_scale, n_out, k_in, norm_weight, eps, RopeKV{},
+                 [&](const auto& a) {
+                   dispatch_gemv(a, static_cast<int>(rows), norm_weight != 0, epilogue,
+                                 as_stream(stream));
+                 });
 }
 
 void gemv_qkv_rope(std::uintptr_t q_out, std::uintptr_t x, std::uintptr_t w, std::int64_t rows,
@@ -414,22 +507,24 @@ void gemv_qkv_rope(std::uintptr_t q_out, std::uintptr_t x, std::uintptr_t w, std
                    std::uintptr_t positions, std::uintptr_t cos_sin, std::uintptr_t slot_mapping,
                    std::uintptr_t k_cache, std::uintptr_t v_cache, int num_heads,
                    int num_kv_heads, int head_dim, int block_size, DType dtype,
-                   std::uintptr_t stream) {
+                   std::uintptr_t stream, std::uintptr_t w_scale) {
   require(norm_weight != 0, "gemv_qkv_rope: takes the norm weight");
   require(rows <= kGemvMaxFusedRows, "gemv_qkv_rope: at most 4 rows");
   require(head_dim % 2 == 0 && block_size > 0, "gemv_qkv_rope: bad head_dim or block_size");
   const std::int64_t pairs = static_cast<std::int64_t>(num_heads + 2 * num_kv_heads) * head_dim / 2;
-  check_gemv_args(x, w, rows, pairs, k_in, dtype, norm_weight);
+  check_gemv_args(x, w, rows, pairs, k_in, dtype, norm_weight, w_scale);
   const RopeKV rope{reinterpret_cast<const std::int64_t*>(positions),
                     reinterpret_cast<const float*>(cos_sin),
                     reinterpret_cast<const std::int64_t*>(slot_mapping),
                     reinterpret_cast<void*>(k_cache), reinterpret_cast<void*>(v_cache),
                     num_heads, num_kv_heads, head_dim, block_size};
-  with_gemv_args(dtype, q_out, x, w, pairs, k_in, norm_weight, eps, rope, [&](const auto& a) {
-    using T = std::remove_const_t<std::remove_pointer_t<decltype(a.x)>>;
-    dispatch_rows<T, Prologue::kRmsNorm, Epilogue::kRopeKV>(a, static_cast<int>(rows),
-                                                            as_stream(stream));
-  });
+  with_gemv_args(dtype, q_out, x, w, w_scale, pairs, k_in, norm_weight, eps, rope,
+                 [&](const auto& a) {
+                   using T = std::remove_const_t<std::remove_pointer_t<decltype(a.x)>>;
+                   using TW = std::remove_const_t<std::remove_pointer_t<decltype(a.w)>>;
+                   dispatch_rows<T, TW, Prologue::kRmsNorm, Epilogue::kRopeKV>(
+                       a, static_cast<int>(rows), as_stream(stream));
+                 });
 }
 
 }  // namespace cuda

@@ -68,6 +68,10 @@ void rotary_write_kv(std::uintptr_t q_out, std::uintptr_t q, std::int64_t q_stri
 // programmatic stream serialization: it starts while the previous kernel
 // runs (the other kernels here signal it early), issues its first weight
 // loads, and waits for that kernel before reading x.
+// w_scale != 0: w is E4M3 [N, K] with a float32 scale per row at w_scale (K
+// a multiple of 16, at most 4 rows, x staged in shared memory); x is
+// quantized per row in the kernel exactly as quantize_fp8, and y is
+// fp8_linear_reference's product (before the epilogue, which is as above).
 constexpr int kGemvMaxRows = 8;
 constexpr int kGemvMaxFusedRows = 4;  // with a norm or a non-store epilogue
 constexpr int kGemvSmemBytes = 64 * 1024;  // x staged in shared memory up to this size
@@ -77,7 +81,7 @@ bool programmatic_launch();
 void gemv(std::uintptr_t y, std::uintptr_t x, std::uintptr_t w, std::int64_t rows,
           std::int64_t n_out, std::int64_t k_in, DType dtype, std::uintptr_t stream,
           std::uintptr_t norm_weight = 0, float eps = 0.0f,
-          GemvEpilogue epilogue = GemvEpilogue::kStore);
+          GemvEpilogue epilogue = GemvEpilogue::kStore, std::uintptr_t w_scale = 0);
 
 // The qkv projection of decode at 1-4 rows with rms_norm in front and
 // rotary_write_kv behind, in one launch: w [(nh + 2 nkv) * d, K]; q_out
@@ -89,7 +93,7 @@ void gemv_qkv_rope(std::uintptr_t q_out, std::uintptr_t x, std::uintptr_t w, std
                    std::uintptr_t positions, std::uintptr_t cos_sin, std::uintptr_t slot_mapping,
                    std::uintptr_t k_cache, std::uintptr_t v_cache, int num_heads,
                    int num_kv_heads, int head_dim, int block_size, DType dtype,
-                   std::uintptr_t stream);
+                   std::uintptr_t stream, std::uintptr_t w_scale = 0);
 
 // Batch-invariant GEMM (deterministic mode): y [rows, N] = x [rows, K] @
 // w[N, K]^T, fp32 accumulation, one rounding to the dtype, such that row m

@@ -6,8 +6,6 @@
 // reduction, the same two roundings), so the result equals rms_norm followed
 // by the reference's quantize_rows bit for bit: scale = amax * (1/448) (at least
 // 1e-12), q = e4m3(y / scale) rounded to nearest even, saturating.
-#include <cuda_fp8.h>
-
 #include "common.cuh"
 
 namespace turbomq {
@@ -15,7 +13,6 @@ namespace cuda {
 namespace {
 
 constexpr int kThreads = 256;  // rms_norm's block, so its reduction order
-constexpr float kFp8MaxInv = 1.0f / 448.0f;  // a multiply, as the reference's
 
 __device__ __forceinline__ float block_reduce(float x, bool is_max) {
   __shared__ float partial[32];
@@ -68,14 +65,14 @@ quantize_fp8_kernel(__nv_fp8_e4m3* __restrict__ q, float* __restrict__ scale,
 #pragma unroll
     for (int e = 0; e < 8; ++e) amax = fmaxf(amax, fabsf(f[e]));
   }
-  const float s = fmaxf(block_reduce(amax, true) * kFp8MaxInv, 1e-12f);
+  const float s = fp8_scale(block_reduce(amax, true));
   if (threadIdx.x == 0) scale[row] = s;
   for (int i = threadIdx.x; i < nvec; i += kThreads) {
     float f[8];
     normalized8<T>(xr, weight, inv, i, f);
     __nv_fp8_e4m3 out[8];
 #pragma unroll
-    for (int e = 0; e < 8; ++e) out[e] = __nv_fp8_e4m3(__fdiv_rn(f[e], s));  // RNE, saturating
+    for (int e = 0; e < 8; ++e) out[e] = __nv_fp8_e4m3(__fdiv_rn(f[e], s));  // as fp8_round
     *reinterpret_cast<uint2*>(q + row * hidden + 8 * i) = *reinterpret_cast<const uint2*>(out);
   }
 }

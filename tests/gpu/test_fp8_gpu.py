@@ -2,7 +2,10 @@
 quantization kernel bit for bit against rms_norm + the reference's
 rounding, the FP8 GEMM (torch._scaled_mm, per-token and per-channel scales
 in its epilogue) against the reference's product of the same rounded
-operands, decode graphs equal to eager decode, and the real model's answer.
+operands, the FP8 GEMV of decode (x quantized in its prologue, each
+epilogue, the fused qkv + rotary + KV write) against that product and
+against the GEMM path, decode graphs equal to eager decode, and the real
+model's answer.
 
 Skipped, with the reason, where there is no CUDA device, the native module
 lacks its CUDA kernels, or the GPU has no FP8 tensor cores."""
@@ -12,11 +15,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+import sys
+from pathlib import Path
+
 from helpers import smollm2_gguf_or_skip
 from turbomq.worker import Engine, EngineConfig, SamplingParams
 from turbomq.worker.model.ops import cuda as cuda_ops
 from turbomq.worker.model.ops.fp8 import fp8_linear_reference, quantize_rows, quantize_weight
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 _REASON = cuda_ops.unavailable_reason()
 if _REASON is None and torch.cuda.get_device_capability() < (8, 9):
     _REASON = "no FP8 tensor cores (compute capability < 8.9)"
@@ -55,6 +62,74 @@ def test_fp8_gemm_matches_the_reference(rows, dtype):
     fused = cuda_ops.linear(x, w, norm=norm, silu=True, residual=res.clone())
     ref = res.float() + cuda_ops.silu_mul(cuda_ops.linear(cuda_ops.rms_norm(x, *norm), w)).float()
     torch.testing.assert_close(fused.float(), ref, rtol=2e-2, atol=2e-2)
+
+
+def _exact_fp8_product(x: torch.Tensor, w) -> torch.Tensor:
+    """The reference's numbers in float64: the same rounded operands and
+    scales, summed exactly (the GEMV sums in fp32, in its own order)."""
+    q, sx = quantize_rows(x)
+    return (q.double() @ w.data.double().T) * sx.double() * w.scale.double()[None, :]
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336), (1536, 576)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fp8_gemv_equals_the_reference_product(rows, n, k, dtype):
+    if rows * k * 2 > cuda_ops._k.GEMV_SMEM_BYTES:
+        pytest.skip("x does not fit in shared memory: the GEMM path takes it")
+    g = torch.Generator(device="cuda").manual_seed(rows * n + k)
+    x = torch.randn(rows, k, generator=g, device="cuda", dtype=dtype)
+    w = quantize_weight(torch.randn(n, k, generator=g, device="cuda") * 0.02)
+    assert cuda_ops._fp8_gemv_ok(x, w, rows, None)
+    got = cuda_ops.linear(x, w)
+    want = _exact_fp8_product(x, w)
+    # one rounding to dtype, plus fp32 summation noise
+    torch.testing.assert_close(got.double(), want.to(dtype).double(), rtol=2 ** -7,
+                               atol=1e-4 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+@pytest.mark.parametrize("mode", ["norm", "silu", "residual"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fp8_gemv_fused_forms_equal_the_gemm_path(rows, mode, dtype, monkeypatch):
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    k, n = 4096, 2048
+    x = torch.randn(rows, k, generator=g, device="cuda", dtype=dtype)
+    w = quantize_weight(torch.randn(2 * n if mode == "silu" else n, k, generator=g,
+                                    device="cuda") * 0.02)
+    norm = (torch.rand(k, generator=g, device="cuda", dtype=dtype) + 0.5, 1e-5)
+    res = torch.randn(rows, n, generator=g, device="cuda", dtype=dtype)
+    kw = {"norm": dict(norm=norm), "silu": dict(norm=norm, silu=True),
+          "residual": dict(residual=res.clone())}[mode]
+    got = cuda_ops.linear(x, w, **kw)
+    monkeypatch.setattr(cuda_ops, "FP8_GEMV_MAX_ROWS", 0)  # quantize_fp8 + _scaled_mm + kernels
+    kw = {"norm": dict(norm=norm), "silu": dict(norm=norm, silu=True),
+          "residual": dict(residual=res.clone())}[mode]
+    want = cuda_ops.linear(x, w, **kw)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2,
+                               atol=2e-2 * want.float().abs().max().item())
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+def test_fp8_gemv_qkv_rotary_write_kv_equals_the_unfused_ops(rows, monkeypatch):
+    from kernel_checks import rel_err
+    from test_kernels import clone_kv, cos_sin_table, make_pool
+
+    dtype, nh, nkv, d, bs, hidden = torch.bfloat16, 32, 8, 128, 64, 4096
+    g = torch.Generator(device="cuda").manual_seed(7)
+    kv = make_pool(5, nkv, bs, d, dtype, g)
+    apart = clone_kv(kv)
+    x = torch.randn(rows, hidden, generator=g, device="cuda", dtype=dtype)
+    w = quantize_weight(torch.randn((nh + 2 * nkv) * d, hidden, generator=g, device="cuda") * 0.05)
+    norm = (torch.rand(hidden, generator=g, device="cuda", dtype=dtype) + 0.5, 1e-5)
+    table = cos_sin_table(4096, d)
+    positions = torch.randint(0, 4096, (rows,), generator=g, device="cuda")
+    slots = torch.randperm(5 * bs, generator=g, device="cuda")[:rows]
+    got = cuda_ops.qkv_rotary_write_kv(x, w, norm, positions, table, kv, slots, nh)
+    monkeypatch.setattr(cuda_ops, "FP8_GEMV_MAX_ROWS", 0)
+    want = cuda_ops.qkv_rotary_write_kv(x, w, norm, positions, table, apart, slots, nh)
+    assert rel_err(got, want) < 1e-2
+    assert rel_err(kv.k, apart.k) < 1e-2 and rel_err(kv.v, apart.v) < 1e-2
 
 
 def test_fp8_graph_decode_equals_eager_and_answers():

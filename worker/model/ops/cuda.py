@@ -74,8 +74,12 @@ FUSED_GEMV_MAX_ROWS = 1
 
 
 # FP8 projections run on torch._scaled_mm (cuBLASLt's FP8 GEMM, Hopper and
-# later) where this PyTorch has it.
+# later) where this PyTorch has it; at most FP8_GEMV_MAX_ROWS rows (decode at
+# small batch) take the native GEMV instead: FP8 weights read once, x
+# quantized, the norm and the epilogue fused, one launch per projection.
+# TURBOMQ_FP8_GEMV_MAX_ROWS overrides (0: never).
 _FP8_GEMM = hasattr(torch, "_scaled_mm")
+FP8_GEMV_MAX_ROWS = int(os.environ.get("TURBOMQ_FP8_GEMV_MAX_ROWS", "4"))
 
 
 def unavailable_reason() -> Optional[str]:
@@ -330,17 +334,24 @@ def qkv_rotary_write_kv(x: torch.Tensor, weight: torch.Tensor, norm: tuple[torch
                         slot_mapping: torch.Tensor, num_heads: int, *,
                         out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """As reference.qkv_rotary_write_kv. At one row with a 16-bit pool (decode
-    at batch 1) one GEMV launch does it all: norm in front, rotary and the KV
-    write behind. Otherwise linear() then rotary_write_kv()."""
+    at batch 1; FP8 weights: up to FP8_GEMV_MAX_ROWS rows) one GEMV launch does
+    it all: norm in front, rotary and the KV write behind. Otherwise linear()
+    then rotary_write_kv()."""
     t, k_in = x.shape
     nkv, bs, d = kv.k.shape[1:]
-    fused = (FUSED_GEMV and not isinstance(weight, Fp8Weight) and 0 < t <= FUSED_GEMV_MAX_ROWS
-             and _native_ok(x, weight, kv.k)
-             and x.dtype in _HALF and weight.dtype == x.dtype and kv.k.dtype == x.dtype
+    fp8 = isinstance(weight, Fp8Weight)
+    if fp8:
+        weight_ok = _fp8_gemv_ok(x, weight, t, norm)
+    else:
+        weight_ok = (FUSED_GEMV and 0 < t <= FUSED_GEMV_MAX_ROWS and _native_ok(x, weight)
+                     and weight.dtype == x.dtype and weight.is_contiguous()
+                     and weight.data_ptr() % 16 == 0 and t * k_in * 2 <= _k.GEMV_SMEM_BYTES
+                     and k_in % 8 == 0)
+    fused = (weight_ok and _native_ok(x, kv.k)
+             and x.dtype in _HALF and kv.k.dtype == x.dtype
              and norm[0].dtype == x.dtype and norm[0].is_contiguous()
-             and norm[0].data_ptr() % 16 == 0 and t * k_in * 2 <= _k.GEMV_SMEM_BYTES
-             and weight.is_contiguous() and weight.data_ptr() % 16 == 0
-             and weight.shape == ((num_heads + 2 * nkv) * d, k_in) and k_in % 8 == 0
+             and norm[0].data_ptr() % 16 == 0
+             and weight.shape == ((num_heads + 2 * nkv) * d, k_in)
              and x.is_contiguous() and x.data_ptr() % 16 == 0
              and kv.k.is_contiguous() and kv.v.is_contiguous()
              and cos_sin.dtype == torch.float32 and cos_sin.is_contiguous()
@@ -355,10 +366,12 @@ def qkv_rotary_write_kv(x: torch.Tensor, weight: torch.Tensor, norm: tuple[torch
     if out is None:
         out = torch.empty((t, num_heads, d), dtype=x.dtype, device=x.device)
     with _on_device(x):
-        _k.gemv_qkv_rope(out.data_ptr(), x.data_ptr(), weight.data_ptr(), t, k_in,
+        _k.gemv_qkv_rope(out.data_ptr(), x.data_ptr(),
+                         (weight.data if fp8 else weight).data_ptr(), t, k_in,
                          norm[0].data_ptr(), float(norm[1]), positions.data_ptr(),
                          cos_sin.data_ptr(), slots.data_ptr(), kv.k.data_ptr(), kv.v.data_ptr(),
-                         num_heads, nkv, d, bs, _DTYPES[x.dtype], _stream(x))
+                         num_heads, nkv, d, bs, _DTYPES[x.dtype], _stream(x),
+                         weight.scale.data_ptr() if fp8 else 0)
     return out
 
 
@@ -387,13 +400,54 @@ def quantize_fp8(x: torch.Tensor, norm: Optional[tuple[torch.Tensor, float]] = N
     return q, scale
 
 
+def _fp8_gemv_ok(x: torch.Tensor, w: Fp8Weight, rows: int,
+                 norm: Optional[tuple[torch.Tensor, float]]) -> bool:
+    """Whether the FP8 GEMV takes x (its rows staged in shared memory) and w."""
+    k_in = x.shape[-1]
+    return (0 < rows <= min(FP8_GEMV_MAX_ROWS, _k.GEMV_MAX_FUSED_ROWS if _k else 0)
+            and _native_ok(x, w.data) and x.dtype in _HALF and k_in % 16 == 0
+            and rows * k_in * 2 <= _k.GEMV_SMEM_BYTES
+            and w.data.dim() == 2 and w.data.shape[1] == k_in and w.data.is_contiguous()
+            and w.data.data_ptr() % 16 == 0 and w.scale.dtype == torch.float32
+            and w.scale.is_contiguous() and w.scale.numel() == w.data.shape[0]
+            and (norm is None or (norm[0].dtype == x.dtype and norm[0].is_contiguous()
+                                  and norm[0].numel() == k_in and norm[0].data_ptr() % 16 == 0)))
+
+
+def _gemv_fp8(x: torch.Tensor, w: Fp8Weight, rows: int,
+              norm: Optional[tuple[torch.Tensor, float]], silu: bool,
+              residual: Optional[torch.Tensor]) -> torch.Tensor:
+    k_in = x.shape[-1]
+    n_out = w.data.shape[0] // 2 if silu else w.data.shape[0]
+    x2 = x.reshape(rows, k_in)
+    if not x2.is_contiguous() or x2.data_ptr() % 16 != 0:
+        x2 = x2.clone(memory_format=torch.contiguous_format)  # fresh, so aligned
+    if residual is not None:
+        out, epilogue = residual, _k.GemvEpilogue.ADD_INTO
+    else:
+        epilogue = _k.GemvEpilogue.SILU_MUL if silu else _k.GemvEpilogue.STORE
+        out = torch.empty((*x.shape[:-1], n_out), dtype=x.dtype, device=x.device)
+    with _on_device(x):
+        _k.gemv(out.data_ptr(), x2.data_ptr(), w.data.data_ptr(), rows, n_out, k_in,
+                _DTYPES[x.dtype], _stream(x), norm[0].data_ptr() if norm is not None else 0,
+                float(norm[1]) if norm is not None else 0.0, epilogue, w.scale.data_ptr())
+    return out
+
+
 def _linear_fp8(x: torch.Tensor, w: Fp8Weight, norm: Optional[tuple[torch.Tensor, float]],
                 silu: bool, residual: Optional[torch.Tensor]) -> torch.Tensor:
     """An FP8 projection on Hopper's FP8 tensor cores: x normalized and
     quantized per token in one launch, cuBLASLt's FP8 GEMM with both scales
     applied in its epilogue (row-wise scaling gives bf16; an fp16 model
-    casts). Elsewhere: the reference."""
+    casts). Decode at a few rows: the FP8 GEMV, norm, quantization and
+    epilogue in one launch. Elsewhere: the reference."""
     k_in, n_out = x.shape[-1], w.data.shape[0]
+    rows = x.numel() // k_in if k_in else 0
+    n = n_out // 2 if silu else n_out
+    if _fp8_gemv_ok(x, w, rows, norm) and (not silu or n_out % 2 == 0) and (
+            residual is None or (residual.dtype == x.dtype and residual.is_contiguous()
+                                 and residual.shape == (*x.shape[:-1], n))):
+        return _gemv_fp8(x, w, rows, norm, silu, residual)
     if not (x.is_cuda and _FP8_GEMM and k_in % 16 == 0 and n_out % 16 == 0):
         if norm is not None:
             x = rms_norm(x, norm[0], norm[1])

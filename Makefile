@@ -97,13 +97,11 @@ models: $(SMOLLM2)
 serve: setup $(filter $(SMOLLM2),$(MODEL)) $(if $(filter $(DEMO_MODEL),$(MODEL)),$(DEMO_MODEL)/config.json)
 	$(VENV)/bin/turbomq up --model $(MODEL) --device $(SERVE_DEVICE) $(SERVE_ARGS)
 
-# Every CUDA source must compile for Hopper (sm_90a), GPU or not.
+# Every CUDA source must compile for Hopper (sm_90a), GPU or not; one nvcc
+# per core (the GEMV's many instantiations take minutes on their own).
 cuda-check:
-	@set -e; for f in native/cuda/*.cu; do \
-	  [ -e "$$f" ] || continue; \
-	  echo "nvcc $$f"; \
-	  nvcc -std=c++17 -arch=sm_90a -Inative/cuda -Inative/src -c "$$f" -o /dev/null; \
-	done
+	@ls native/cuda/*.cu | xargs -P "$$(nproc)" -I{} sh -c \
+	  'echo "nvcc {}" && nvcc -std=c++17 -arch=sm_90a -Inative/cuda -Inative/src -c "{}" -o /dev/null'
 
 # On a GPU machine tests/gpu/ runs too (it skips, saying why, elsewhere).
 test: setup sysdeps cuda-check models

@@ -332,3 +332,41 @@ def test_resume_continues_a_generation(params):
         eng.step()
     assert [t for e in events for t in e.token_ids] == full.token_ids[7:]
     assert events[-1].usage.completion_tokens == 20
+
+
+def test_steps_launched_ahead_equal_steps_read_first():
+    """Every step launched before the previous step's tokens are read (the
+    rows in flight take their input on the device; prefill chunks and
+    admissions included) gives the tokens of reading every step first: rows
+    that stop early (stop ids), seeded sampling, a repetition penalty (its
+    steps read first), long prompts prefilled in chunks beside decodes,
+    requests joining as slots free, and a multi-turn session."""
+    rng = random.Random(5)
+    batch = [[rng.randrange(3, 500) for _ in range(rng.choice([3, 40, 130]))] for _ in range(12)]
+    stop = list(range(3, 60))
+    params = [SamplingParams(max_tokens=10 + 3 * i, temperature=0.0, stop_token_ids=stop)
+              if i % 3 == 0 else
+              SamplingParams(max_tokens=14, temperature=0.9, top_p=0.9, seed=i)
+              if i % 3 == 1 else
+              SamplingParams(max_tokens=12, temperature=0.0, repetition_penalty=1.3)
+              for i in range(len(batch))]
+    runs = {}
+    for overlap in (False, True):
+        eng = Engine(EngineConfig(model=demo_model_dir(), max_batch_size=4, block_size=16,
+                                  max_num_batched_tokens=64, overlap_steps=overlap))
+        done: dict = {}
+        ids = [eng.submit(input_ids=p, params=sp,
+                          callback=lambda e: done.setdefault(e.request_id, []).append(e))
+               for p, sp in zip(batch, params)]
+        while eng.has_work():
+            eng.step()
+        outs = [[t for e in done[r] for t in e.token_ids] for r in ids]
+        reasons = [done[r][-1].finish_reason for r in ids]
+        turns = [eng.generate(input_ids=[batch[t][:30]], session_id="chat",
+                              params=SamplingParams(max_tokens=8, temperature=0.0))[0].token_ids
+                 for t in range(3)]
+        eng.kv_manager.check()
+        assert (eng.counters["overlapped_steps"] > 0) == overlap
+        runs[overlap] = (outs, reasons, turns)
+    assert runs[True] == runs[False]
+    assert "stop" in runs[True][1] and "length" in runs[True][1]

@@ -475,15 +475,15 @@ class Engine:
     def step(self) -> bool:
         """Run one step; False when there was nothing to do.
 
-        A decode graph step is left running: the next call schedules and
-        launches its successor first (its input tokens taken on the device)
-        and only then reads the tokens and streams them out. Anything else —
-        a request waiting to join, a prefill chunk, a repetition penalty that
-        needs the token history — reads the previous step's tokens first."""
+        A step is left running: the next call schedules and launches its
+        successor first (a decode row takes its input token on the device)
+        and only then reads the tokens and streams them out. A repetition
+        penalty (it needs the token history), tensor parallelism or
+        overlap_steps=False reads the previous step's tokens first."""
         drained = self._drain_inbox()
         self._land_loads()
         prev = self._launched
-        if prev is not None and not (prev.graphed and not self.scheduler.waiting):
+        if prev is not None and not self._overlaps():
             self._settle()
             prev = None
         if not self.scheduler.has_work():
@@ -520,7 +520,7 @@ class Engine:
             self.scheduler.commit(plan)
         if prev is not None:
             self._deliver(prev)
-        if self._launched is not None and not self._launched.graphed:
+        if self._launched is not None and not self._launched.graphed and not self._overlaps():
             self._settle()
         self.counters["steps"] += 1
         self._observe(plan, time.perf_counter() - start)
@@ -544,13 +544,19 @@ class Engine:
             if any(seq.loading is None for seq in seqs):
                 ticket.order()
 
+    def _overlaps(self) -> bool:
+        """Whether steps may launch before the previous step's tokens are
+        read. Not under tensor parallelism: the other ranks take every input
+        token from the host."""
+        return self.config.overlap_steps and self.ranks is None
+
     def _runs_ahead(self, plan: StepPlan) -> bool:
         """Whether `plan` may launch before the previous step's tokens are
-        read: a decode graph step whose sampling needs no token history."""
-        # Not under tensor parallelism: the other ranks take every input token
-        # from the host.
-        return (self.config.overlap_steps and self.ranks is None and self._graphed(plan)
-                and all(i.seq.params.repetition_penalty == 1.0 for i in plan.scheduled))
+        read: one whose sampling needs no token history (a decode row reads
+        its input token on the device, whether a graph or the eager forward
+        runs the step)."""
+        return self._overlaps() and all(i.seq.params.repetition_penalty == 1.0
+                                        for i in plan.scheduled)
 
     def _graphed(self, plan: StepPlan) -> bool:
         """A decode-only step (one sampled token per sequence) that a captured

@@ -21,6 +21,7 @@ from ..model.cuda_graphs import DecodeGraphs, graphs_supported
 from ..model.kv_cache import PagedKVCache, resolve_kv_dtype
 from ..model.llama import LlamaModel, parse_dtype
 from ..model.ops import AttentionBatch
+from ..model.ops.attention_batch import to_device
 from ..model.parallel import TensorParallel, device_for
 from ..model.sampler import sample
 from ..model.weights import Checkpoint, load_checkpoint
@@ -39,7 +40,7 @@ class StepInputs:
     ctx_lens: list[int]  # KV length per sequence after this step
     tables: np.ndarray  # [sequences, width] block tables, -1 padded
     graphed: bool  # a decode step that a captured graph runs
-    # Rank 0, graphed steps only: row i >= 0 takes its input token from row
+    # Rank 0: row i >= 0 (a decode row) takes its input token from row
     # prev_rows[i] of the previous step's sampled tokens, still on the device.
     prev_rows: Optional[list[int]] = None
 
@@ -111,6 +112,7 @@ class ModelRunner:
                                             pin_memory=True) for _ in range(2)]
                                if self.device.type == "cuda" else [])
         self._token_turn = 0
+        self._last_sampled = torch.empty(0, dtype=torch.long, device=self.device)
 
     # ------------------------------------------------------------ the pool
     def kv_blocks_that_fit(self) -> int:
@@ -222,13 +224,8 @@ class ModelRunner:
         return moved, LoadTicket(self._copied["in"] if loads and streams else None, compute)
 
     def _device_index(self, values: list[int]) -> torch.Tensor:
-        """Block ids on the device, on the current stream, without waiting
-        for it (a plain host-to-device copy would synchronize with the step
-        in flight)."""
-        index = torch.tensor(values, dtype=torch.long)
-        if self.device.type != "cuda":
-            return index
-        return index.pin_memory().to(self.device, non_blocking=True)
+        """Block ids on the device, without waiting for the step in flight."""
+        return to_device(values, torch.long, self.device)
 
     @contextlib.contextmanager
     def _on_copy_stream(self, direction: str, wait: Optional["torch.cuda.Event"],
@@ -280,15 +277,22 @@ class ModelRunner:
         last new token), none when `rows` is None (the other ranks)."""
         if step.graphed:  # decode-only: every row's logits
             return self.graphs.run(step.ids, step.ctx_lens, step.tables, step.prev_rows)
-        assert step.prev_rows is None, "only decode graph steps read tokens in flight"
+        # Every input reaches the device without waiting for it, so this
+        # forward is queued behind the step in flight.
         batch = AttentionBatch.build(step.q_lens, step.ctx_lens, step.tables,
                                      self.config.block_size, self.device)
-        input_ids = torch.tensor(step.ids, dtype=torch.long, device=self.device)
+        input_ids = to_device(step.ids, torch.long, self.device)
+        ends = np.cumsum(step.q_lens) - 1  # each row's last new token
+        if step.prev_rows is not None:  # decode rows whose input is in flight
+            rows_in_flight = [r for r, src in enumerate(step.prev_rows) if src >= 0]
+            input_ids.index_copy_(0, to_device(ends[rows_in_flight], torch.long, self.device),
+                                  self._last_sampled.index_select(0, to_device(
+                                      [step.prev_rows[r] for r in rows_in_flight], torch.long,
+                                      self.device)))
         if rows is None:
             picked = torch.empty(0, dtype=torch.long, device=self.device)
         else:
-            last = batch.cu_q_lens[1:].long() - 1
-            picked = last[list(rows)] if rows else last[:1]
+            picked = to_device(ends[list(rows)] if rows else ends[:1], torch.long, self.device)
         return self.model.forward(input_ids, batch, self.kv_cache, picked)
 
     def launch(self, step: StepInputs, rows: Sequence[int], params: Sequence,
@@ -299,10 +303,11 @@ class ModelRunner:
         if not rows:
             return SampledTokens(torch.empty(0, dtype=torch.long), None)
         tokens = sample(logits, params, rngs, histories)
+        self._last_sampled = tokens  # the next step may read them on the device
         if self.device.type != "cuda":
             return SampledTokens(tokens, None)
-        if step.graphed:
-            self.graphs.prev_tokens[:len(rows)].copy_(tokens)  # the next step may read them here
+        if self.graphs is not None:
+            self.graphs.prev_tokens[:len(rows)].copy_(tokens)  # where a graph reads them
         # Pinned, so the copy is asynchronous (into pageable memory it would
         # wait for this very step).
         host = self._token_buffers[self._token_turn][:len(rows)]

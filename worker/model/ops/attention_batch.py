@@ -12,6 +12,20 @@ import numpy as np
 import torch
 
 
+def to_device(values, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """Host values (a list or an array) as a `dtype` tensor on `device`,
+    without waiting for it: through pinned memory, asynchronously on the
+    current stream. A plain copy from pageable memory would first wait for
+    everything queued on the stream, such as the step in flight."""
+    if isinstance(values, np.ndarray):
+        t = torch.from_numpy(np.ascontiguousarray(values)).to(dtype)
+    else:
+        t = torch.tensor(values, dtype=dtype)
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 @dataclass
 class AttentionBatch:
     # Tokens of this step are flattened sequence by sequence: sequence s owns
@@ -63,7 +77,7 @@ class AttentionBatch:
         slots = blocks * block_size + positions % block_size
 
         def dev(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-            return torch.from_numpy(np.ascontiguousarray(a)).to(device=device, dtype=dtype)
+            return to_device(a, dtype, device)
 
         return AttentionBatch(
             q_lens=dev(q, torch.int32), cu_q_lens=dev(cu, torch.int32),

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from .layer_kv import LayerKV
 from . import reference
 from .fp8 import Fp8Weight, fp8_linear_reference, quantize_rows
-from .attention_batch import AttentionBatch
+from .attention_batch import AttentionBatch, to_device
 
 try:
     from turbomq import _native as _native_module
@@ -527,7 +527,7 @@ def _tiles(batch: AttentionBatch, group: int, device: torch.device):
         seq = np.repeat(np.arange(len(q)), per_seq)
         first = np.repeat(np.cumsum(per_seq) - per_seq, per_seq)
         pairs = np.stack([seq, np.arange(total) - first], axis=1).astype(np.int32)
-        result = (torch.from_numpy(pairs).to(device), total)
+        result = (to_device(pairs, torch.int32, device), total)
     cache[group] = result
     return result
 

@@ -176,7 +176,8 @@ class Engine:
         self._stopping = False
         # Called on the step thread after every step that did something, with
         # (plan or None, seconds): the one safe place to read engine state for
-        # metrics and heartbeats. plan is None when only the inbox was drained.
+        # metrics and heartbeats. plan is None when no step was launched (the
+        # inbox drained, or the last step's tokens read).
         self.step_observer: Optional[Callable[[Optional[StepPlan], float], None]] = None
         self.counters = {"requests_finished": 0, "prompt_tokens": 0, "generated_tokens": 0,
                          "reused_tokens": 0, "reprefilled_tokens": 0, "steps": 0,
@@ -487,8 +488,9 @@ class Engine:
             self._settle()
             prev = None
         if not self.scheduler.has_work():
-            self._settle()  # a step whose sequences were all cancelled
-            if drained:
+            settled = self._launched is not None
+            self._settle()  # the last step's tokens (or one whose sequences were all cancelled)
+            if drained or settled:  # what they finished shows in the stats at once
                 self._observe(None, 0.0)
             return False
         plan = self.scheduler.schedule()
@@ -505,6 +507,7 @@ class Engine:
         if plan.empty:
             if prev is not None:
                 self._settle()
+                self._observe(None, 0.0)  # what it finished shows in the stats at once
             elif self._loading and not self._inbox.qsize():
                 self._loading[0][0].wait()  # nothing to run until a load lands
             return True

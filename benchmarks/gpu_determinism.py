@@ -24,8 +24,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_engine import (GREEDY, LLAMA3_8B, ab_arguments, ab_engine, ceilings, random_tensors,  # noqa: E402
-                        sharegpt_like, speeds)
+from gpu_engine import (GREEDY, LLAMA3_8B, ab_arguments, ab_engine, ab_speed_rows, ceilings,  # noqa: E402
+                        random_tensors, sharegpt_like, speeds)
 
 from turbomq.worker import Engine, SamplingParams  # noqa: E402
 from turbomq.worker.model.llama import LlamaModel  # noqa: E402
@@ -83,12 +83,7 @@ def write_report(args, results: dict) -> None:
     inv_d, inv_x = d["invariance"], x["invariance"]
     lines.append(f"| prompts whose tokens change inside a batch of {inv_d['batch']} (of "
                  f"{inv_d['probes']}, 64 tokens) | {inv_d['differ']} | {inv_x['differ']} | |")
-    b1d, b1x = d["decode_batch1"]["decode_tok_per_s"], x["decode_batch1"]["decode_tok_per_s"]
-    lines.append(f"| batch-1 decode (tok/s) | {b1d:,.1f} | {b1x:,.1f} | {b1x / b1d:.3f} |")
-    if "offline" in d:
-        od, ox = d["offline"]["output_tok_per_s"], x["offline"]["output_tok_per_s"]
-        lines.append(f"| offline ShareGPT-like, {args.requests} requests (output tok/s) "
-                     f"| {od:,.0f} | {ox:,.0f} | {ox / od:.3f} |")
+    lines += ab_speed_rows(d, x, args.requests)
     lines += ["", f"Default mode: the first difference came after {inv_d['first_difference_at']} "
               "tokens. Targets: deterministic offline >= 0.95x and batch-1 decode >= 0.97x of "
               "the default."]

@@ -182,6 +182,22 @@ def speeds(engine: Engine, cfg: ModelConfig, bandwidth: dict, work: list, label:
     return r
 
 
+def ab_speed_rows(base: dict, other: dict, requests: int, targets: tuple[str, str] = ()) -> list[str]:
+    """Markdown rows of two `speeds` results side by side: batch-1 decode,
+    and offline when measured; base | other | other / base [| target]."""
+    def row(name: str, x: float, y: float, fmt: str, i: int) -> str:
+        target = f" {targets[i]} |" if targets else ""
+        return f"| {name} | {x:{fmt}} | {y:{fmt}} | {y / x:.3f} |{target}"
+
+    rows = [row("batch-1 decode (tok/s)", base["decode_batch1"]["decode_tok_per_s"],
+                other["decode_batch1"]["decode_tok_per_s"], ",.1f", 0)]
+    if "offline" in base:
+        rows.append(row(f"offline ShareGPT-like, {requests} requests (output tok/s)",
+                        base["offline"]["output_tok_per_s"], other["offline"]["output_tok_per_s"],
+                        ",.0f", 1))
+    return rows
+
+
 def multi_turn(engine: Engine, history_len: int, repeats: int = 3) -> dict:
     """TTFT of a 128-token turn on a session of `history_len` tokens: resident
     (hit), after eviction (miss: re-prefill), and a fresh 128-token prompt.

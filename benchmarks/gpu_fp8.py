@@ -23,8 +23,8 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
-from gpu_engine import (LLAMA3_8B, ab_arguments, ab_engine, ceilings, random_tensors,  # noqa: E402
-                        sharegpt_like, speeds)
+from gpu_engine import (LLAMA3_8B, ab_arguments, ab_engine, ab_speed_rows, ceilings,  # noqa: E402
+                        random_tensors, sharegpt_like, speeds)
 
 from turbomq.worker.model.catalog import FetchError  # noqa: E402
 from turbomq.worker.model.llama import LlamaModel  # noqa: E402
@@ -83,12 +83,7 @@ def main() -> None:
              f"{results['device']}; Llama-3-8B shape, random weights, bf16 KV, greedy; one run: "
              "`python benchmarks/gpu_fp8.py --out DIR`.", "",
              "| figure | bf16 | fp8 | fp8 / bf16 | target |", "| --- | ---: | ---: | ---: | ---: |"]
-    d0, d1 = b["decode_batch1"]["decode_tok_per_s"], f["decode_batch1"]["decode_tok_per_s"]
-    lines.append(f"| batch-1 decode (tok/s) | {d0:,.1f} | {d1:,.1f} | {d1 / d0:.2f} | >= 1.7 |")
-    if "offline" in b:
-        o0, o1 = b["offline"]["output_tok_per_s"], f["offline"]["output_tok_per_s"]
-        lines.append(f"| offline ShareGPT-like, {args.requests} requests (output tok/s) "
-                     f"| {o0:,.0f} | {o1:,.0f} | {o1 / o0:.2f} | >= 1.4 |")
+    lines += ab_speed_rows(b, f, args.requests, (">= 1.7", ">= 1.4"))
     e = results["real_model_error"]
     if "skipped" in e:
         lines += ["", f"SmolLM2-135M-Instruct error on the GPU: not measured ({e['skipped']})."]

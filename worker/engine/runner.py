@@ -207,7 +207,7 @@ class ModelRunner:
         before = dict(self._copied)
         for pool, host in planes:
             if spills:
-                blocks = self._device_index([b for b, _ in spills])
+                blocks = to_device([b for b, _ in spills], torch.long, self.device)
                 staged = pool.index_select(2, blocks).movedim(2, 0).contiguous()
                 with self._on_copy_stream("out", before["in"], compute, staged):
                     for i, (_, slot) in enumerate(spills):
@@ -219,13 +219,10 @@ class ModelRunner:
                                          device=self.device)
                     for i, (slot, _) in enumerate(loads):
                         staged[i].copy_(host[slot], non_blocking=True)
-                    pool[:, :, self._device_index([b for _, b in loads])] = staged.movedim(0, 2)
+                    blocks = to_device([b for _, b in loads], torch.long, self.device)
+                    pool[:, :, blocks] = staged.movedim(0, 2)
                 moved += staged.nbytes
         return moved, LoadTicket(self._copied["in"] if loads and streams else None, compute)
-
-    def _device_index(self, values: list[int]) -> torch.Tensor:
-        """Block ids on the device, without waiting for the step in flight."""
-        return to_device(values, torch.long, self.device)
 
     @contextlib.contextmanager
     def _on_copy_stream(self, direction: str, wait: Optional["torch.cuda.Event"],

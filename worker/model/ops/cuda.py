@@ -313,6 +313,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, *,
         return F.linear(x, weight)
     if not ok or (fused and not FUSED_GEMV and native is None):
         return _linear_unfused(x, weight, norm, silu, residual, native)
+    return _run_gemv(x, rows, n_out, weight.data_ptr(), norm, silu, residual, out)
+
+
+def _run_gemv(x: torch.Tensor, rows: int, n_out: int, weight_ptr: int,
+              norm: Optional[tuple[torch.Tensor, float]], silu: bool,
+              residual: Optional[torch.Tensor], out: Optional[torch.Tensor] = None,
+              w_scale_ptr: int = 0) -> torch.Tensor:
+    """One GEMV launch over checked inputs: 16-bit weights, or E4M3 weights
+    with their scales at w_scale_ptr."""
+    k_in = x.shape[-1]
     x2 = x.reshape(rows, k_in)
     if not x2.is_contiguous() or x2.data_ptr() % 16 != 0:
         x2 = x2.clone(memory_format=torch.contiguous_format)  # fresh, so aligned
@@ -323,9 +333,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, *,
         if out is None:
             out = torch.empty((*x.shape[:-1], n_out), dtype=x.dtype, device=x.device)
     with _on_device(x):
-        _k.gemv(out.data_ptr(), x2.data_ptr(), weight.data_ptr(), rows, n_out, k_in,
+        _k.gemv(out.data_ptr(), x2.data_ptr(), weight_ptr, rows, n_out, k_in,
                 _DTYPES[x.dtype], _stream(x), norm[0].data_ptr() if norm is not None else 0,
-                float(norm[1]) if norm is not None else 0.0, epilogue)
+                float(norm[1]) if norm is not None else 0.0, epilogue, w_scale_ptr)
     return out
 
 
@@ -414,26 +424,6 @@ def _fp8_gemv_ok(x: torch.Tensor, w: Fp8Weight, rows: int,
                                   and norm[0].numel() == k_in and norm[0].data_ptr() % 16 == 0)))
 
 
-def _gemv_fp8(x: torch.Tensor, w: Fp8Weight, rows: int,
-              norm: Optional[tuple[torch.Tensor, float]], silu: bool,
-              residual: Optional[torch.Tensor]) -> torch.Tensor:
-    k_in = x.shape[-1]
-    n_out = w.data.shape[0] // 2 if silu else w.data.shape[0]
-    x2 = x.reshape(rows, k_in)
-    if not x2.is_contiguous() or x2.data_ptr() % 16 != 0:
-        x2 = x2.clone(memory_format=torch.contiguous_format)  # fresh, so aligned
-    if residual is not None:
-        out, epilogue = residual, _k.GemvEpilogue.ADD_INTO
-    else:
-        epilogue = _k.GemvEpilogue.SILU_MUL if silu else _k.GemvEpilogue.STORE
-        out = torch.empty((*x.shape[:-1], n_out), dtype=x.dtype, device=x.device)
-    with _on_device(x):
-        _k.gemv(out.data_ptr(), x2.data_ptr(), w.data.data_ptr(), rows, n_out, k_in,
-                _DTYPES[x.dtype], _stream(x), norm[0].data_ptr() if norm is not None else 0,
-                float(norm[1]) if norm is not None else 0.0, epilogue, w.scale.data_ptr())
-    return out
-
-
 def _linear_fp8(x: torch.Tensor, w: Fp8Weight, norm: Optional[tuple[torch.Tensor, float]],
                 silu: bool, residual: Optional[torch.Tensor]) -> torch.Tensor:
     """An FP8 projection on Hopper's FP8 tensor cores: x normalized and
@@ -447,7 +437,8 @@ def _linear_fp8(x: torch.Tensor, w: Fp8Weight, norm: Optional[tuple[torch.Tensor
     if _fp8_gemv_ok(x, w, rows, norm) and (not silu or n_out % 2 == 0) and (
             residual is None or (residual.dtype == x.dtype and residual.is_contiguous()
                                  and residual.shape == (*x.shape[:-1], n))):
-        return _gemv_fp8(x, w, rows, norm, silu, residual)
+        return _run_gemv(x, rows, n, w.data.data_ptr(), norm, silu, residual,
+                         w_scale_ptr=w.scale.data_ptr())
     if not (x.is_cuda and _FP8_GEMM and k_in % 16 == 0 and n_out % 16 == 0):
         if norm is not None:
             x = rms_norm(x, norm[0], norm[1])

@@ -15,6 +15,8 @@ docs/benchmarks/)."""
 
 from __future__ import annotations
 
+from typing import Optional
+
 import argparse
 import gc
 import json
@@ -91,13 +93,16 @@ def random_tensors(cfg: ModelConfig) -> dict[str, torch.Tensor]:
     return t
 
 
-def weight_bytes_per_token(cfg: ModelConfig) -> int:
+def weight_bytes_per_token(cfg: ModelConfig, quantization: Optional[str] = None) -> int:
     """Bytes a decode step must read per token at batch 1: every weight but the
-    embedding table (one row of it), plus that row."""
-    per_layer = (cfg.q_size + 2 * cfg.kv_size) * cfg.hidden_size + cfg.hidden_size * cfg.q_size \
-        + 3 * cfg.intermediate_size * cfg.hidden_size + 2 * cfg.hidden_size
-    total = cfg.num_layers * per_layer + cfg.vocab_size * cfg.hidden_size + 2 * cfg.hidden_size
-    return 2 * total
+    embedding table (one row of it), plus that row. FP8: the projections at
+    one byte a weight plus a float scale per output row."""
+    h, inter = cfg.hidden_size, cfg.intermediate_size
+    rows = (cfg.q_size + 2 * cfg.kv_size) + h + 2 * inter + h  # qkv, o, gate_up, down
+    projections = (cfg.q_size + 2 * cfg.kv_size) * h + h * cfg.q_size + 3 * inter * h
+    per_weight, per_row = (1, 4) if quantization == "fp8" else (2, 0)
+    per_layer = projections * per_weight + rows * per_row + 2 * h * 2
+    return cfg.num_layers * per_layer + 2 * (cfg.vocab_size * h + 2 * h)
 
 
 def sharegpt_like(n: int, seed: int = 0) -> list[tuple[list[int], int]]:
@@ -141,7 +146,7 @@ def decode_batch1(engine: Engine, cfg: ModelConfig, bandwidth: dict) -> dict:
     ttft = stamps[0][0] - t0
     decode_s = stamps[-1][0] - stamps[0][0]
     tok_s = (256 - 1) / decode_s
-    nbytes = weight_bytes_per_token(cfg)
+    nbytes = weight_bytes_per_token(cfg, engine.config.quantization)
     return {"ttft_ms": ttft * 1e3, "decode_tok_per_s": tok_s, "bytes_per_token": nbytes,
             "mbu_copy": tok_s * nbytes / (bandwidth["copy_GBps"] * 1e9),
             "mbu_read": tok_s * nbytes / (bandwidth["read_GBps"] * 1e9),

@@ -2,9 +2,12 @@
 with random bf16 weights (written once as a converted checkpoint: every rank
 loads its slice from it).
 
-Four engines, one after the other, in one run: one GPU and two GPUs, each
-with CUDA graphs and eager. Each: decode at batch 1 (prompt 128, 256 new
-tokens), an offline batch of ShareGPT-like requests, and its KV pool size.
+Engines one after the other, in one run, all with CUDA graphs: one GPU; two
+GPUs with every all-reduce through NCCL; two GPUs with decode's all-reduces
+through peer memory (the default); and that again with twice the batch,
+which the doubled KV pool holds. Each: decode at batch 1 (prompt 128, 256
+new tokens), an offline batch of ShareGPT-like requests, and its KV pool
+size.
 
     BENCH=tensor_parallel bash benchmarks/run_gpu.sh   (on a machine with 2 GPUs)
 
@@ -16,6 +19,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -24,12 +28,33 @@ import torch
 
 from gpu_engine import GREEDY, LLAMA3_8B, random_tensors, run_offline, sharegpt_like, sync_time
 from turbomq.worker import Engine, EngineConfig, SamplingParams
+from turbomq.worker.model import parallel
 from turbomq.worker.model.weights import Checkpoint, save_converted
 
-CASES = [("1 GPU, CUDA graphs", dict(tensor_parallel=1, cuda_graphs=True)),
-         ("1 GPU, eager", dict(tensor_parallel=1, cuda_graphs=False)),
-         ("2 GPUs, CUDA graphs", dict(tensor_parallel=2, cuda_graphs=True)),
-         ("2 GPUs, eager", dict(tensor_parallel=2, cuda_graphs=False))]
+# (name, engine config, peer all-reduce on, batch multiple of --max-batch-size)
+CASES = [("1 GPU", dict(tensor_parallel=1), True, 1),
+         ("2 GPUs, NCCL all-reduce", dict(tensor_parallel=2), False, 1),
+         ("2 GPUs, peer all-reduce", dict(tensor_parallel=2), True, 1),
+         ("2 GPUs, peer all-reduce, 2x batch", dict(tensor_parallel=2), True, 2)]
+
+
+def peer_all_reduce(on: bool) -> None:
+    """The peer-memory all-reduce on or off, here (rank 0) and in the rank
+    processes started next (they read the environment)."""
+    value = str(parallel.PEER_ALL_REDUCE_BYTES_DEFAULT if on else 0)
+    os.environ["TURBOMQ_PEER_ALL_REDUCE_BYTES"] = value
+    parallel.PEER_ALL_REDUCE_BYTES = int(value)
+
+
+def ttft_ms(engine: Engine, repeats: int = 5) -> float:
+    """Median time to the first token of a lone 128-token prompt."""
+    times = []
+    for i in range(repeats):
+        t0 = sync_time()
+        engine.generate(input_ids=list(range(2000 + i, 2128 + i)),
+                        params=SamplingParams(max_tokens=1, **GREEDY))
+        times.append((time.perf_counter() - t0) * 1e3)
+    return sorted(times)[repeats // 2]
 
 
 def decode_batch1(engine: Engine, new_tokens: int = 256) -> dict:
@@ -37,10 +62,10 @@ def decode_batch1(engine: Engine, new_tokens: int = 256) -> dict:
     engine.submit(input_ids=list(range(1000, 1128)),
                   params=SamplingParams(max_tokens=new_tokens, **GREEDY),
                   callback=lambda e: stamps.append(time.perf_counter()))
-    t0 = sync_time()
+    sync_time()
     while engine.has_work():
         engine.step()
-    return {"ttft_ms": (stamps[0] - t0) * 1e3,
+    return {"ttft_ms": ttft_ms(engine),
             "decode_tok_per_s": (len(stamps) - 1) / (stamps[-1] - stamps[0])}
 
 
@@ -49,7 +74,7 @@ def measure(path: str, case: dict, work: list, max_batch_size: int) -> dict:
     engine = Engine(EngineConfig(model=path, device="cuda", dtype="bf16",
                                  max_batch_size=max_batch_size, block_size=64,
                                  kv_cache_fraction=0.85, max_num_batched_tokens=8192,
-                                 max_model_len=16384, **case))
+                                 max_model_len=16384, cuda_graphs=True, **case))
     try:
         load_s = time.perf_counter() - t0
         for copies in (4, 1):  # warm-up (captures the graphs the runs use)
@@ -71,19 +96,22 @@ def write_report(out: Path, r: dict) -> None:
             f"{r['device']} x {r['gpus']}; `benchmarks/gpu_tensor_parallel.py` "
             f"(`BENCH=tensor_parallel bash benchmarks/run_gpu.sh`). Decode: batch 1, prompt 128, "
             f"256 new tokens. Offline: {r['requests']} ShareGPT-like requests (ignore EOS), "
-            f"up to {r['max_batch_size']} at once. All rows from one run.", "",
-            "| engine | decode tok/s (batch 1) | TTFT ms | offline output tok/s | req/s "
-            "| KV pool tokens | load s |",
-            "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+            f"up to the batch column at once. CUDA graphs throughout. All rows from one run.",
+            "",
+            "| engine | decode tok/s (batch 1) | vs 1 GPU | TTFT ms | offline output tok/s "
+            "| vs 1 GPU | batch | KV pool tokens | load s |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    base = next(iter(r["cases"].values()))
     for name, c in r["cases"].items():
-        rows.append(f"| {name} | {c['decode_tok_per_s']:.1f} | {c['ttft_ms']:.1f} | "
-                    f"{c['output_tok_per_s']:,.0f} | {c['req_per_s']:.2f} | "
-                    f"{c['kv_tokens_capacity']:,} | {c['load_s']:.0f} |")
+        rows.append(f"| {name} | {c['decode_tok_per_s']:.1f} | "
+                    f"{c['decode_tok_per_s'] / base['decode_tok_per_s']:.2f}x | "
+                    f"{c['ttft_ms']:.1f} | {c['output_tok_per_s']:,.0f} | "
+                    f"{c['output_tok_per_s'] / base['output_tok_per_s']:.2f}x | "
+                    f"{c['max_batch_size']} | {c['kv_tokens_capacity']:,} | {c['load_s']:.0f} |")
     rows += ["", "Two GPUs hold the weights once between them, so each has about half "
              "the weight memory free for KV (the pool column counts tokens; every rank "
-             "holds its own KV heads of each). Under tensor parallelism decode steps do "
-             "not overlap the host's work (the other ranks take every input token from "
-             "the host). docs/engine.md, Tensor parallel."]
+             "holds its own KV heads of each). TTFT: the median of five 128-token "
+             "prompts. docs/engine.md, Tensor parallel."]
     (out / "tensor_parallel.md").write_text("\n".join(rows) + "\n")
     (out / "tensor_parallel.json").write_text(json.dumps(r, indent=2) + "\n")
 
@@ -102,12 +130,15 @@ def main() -> None:
     torch.cuda.empty_cache()
     work = sharegpt_like(args.requests)
     results = {"device": torch.cuda.get_device_name(), "gpus": 2, "requests": args.requests,
-               "max_batch_size": args.max_batch_size, "cases": {}}
+               "cases": {}}
     with tempfile.TemporaryDirectory(prefix="turbomq-tp-") as tmp:
         save_converted(Checkpoint(cfg, tensors), tmp)
         del tensors
-        for name, case in CASES:
-            results["cases"][name] = measure(tmp, case, work, args.max_batch_size)
+        for name, case, peer, batch in CASES:
+            peer_all_reduce(peer)
+            batch *= args.max_batch_size
+            results["cases"][name] = {"max_batch_size": batch,
+                                      **measure(tmp, case, work, batch)}
             print(name, json.dumps(results["cases"][name]), flush=True)
     write_report(args.out, results)
     print((args.out / "tensor_parallel.md").read_text())

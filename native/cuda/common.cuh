@@ -104,6 +104,11 @@ __device__ __forceinline__ float fp8_round(float x, float scale) {
   return static_cast<float>(__nv_fp8_e4m3(__fdiv_rn(x, scale)));
 }
 
+// The same, as its E4M3 bits.
+__device__ __forceinline__ std::uint8_t fp8_bits(float x, float scale) {
+  return __nv_fp8_e4m3(__fdiv_rn(x, scale)).__x;
+}
+
 __device__ __forceinline__ float warp_max(float x) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));

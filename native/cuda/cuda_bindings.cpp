@@ -2,6 +2,7 @@
 // when the build has CUDA. Arguments are device addresses, sizes and the
 // caller's stream as integers: the extension never links against torch.
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include "kernels.h"
 
@@ -22,6 +23,7 @@ void bind_cuda(py::module_& parent) {
   m.attr("GEMV_MAX_ROWS") = cuda::kGemvMaxRows;
   m.attr("GEMV_MAX_FUSED_ROWS") = cuda::kGemvMaxFusedRows;
   m.attr("GEMV_SMEM_BYTES") = cuda::kGemvSmemBytes;
+  m.attr("GEMV_FP8_SMEM_BYTES") = cuda::kGemvFp8SmemBytes;
 
   m.def("rms_norm", &cuda::rms_norm, py::arg("out"), py::arg("x"), py::arg("x_stride"),
         py::arg("weight"), py::arg("rows"), py::arg("hidden"), py::arg("eps"), py::arg("dtype"),
@@ -48,6 +50,16 @@ void bind_cuda(py::module_& parent) {
         py::arg("v_cache"), py::arg("k_scale"), py::arg("v_scale"), py::arg("tokens"),
         py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("block_size"),
         py::arg("dtype"), py::arg("cache_dtype"), py::arg("stream"));
+  m.attr("ALL_REDUCE_MAX_RANKS") = cuda::kAllReduceMaxRanks;
+  m.def("all_reduce_buffer_alloc", &cuda::all_reduce_buffer_alloc, py::arg("capacity"));
+  m.def("all_reduce_buffer_free", &cuda::all_reduce_buffer_free, py::arg("buffer"));
+  m.def("ipc_handle", [](std::uintptr_t buffer) { return py::bytes(cuda::ipc_handle(buffer)); },
+        py::arg("buffer"));
+  m.def("ipc_open", &cuda::ipc_open, py::arg("handle"));
+  m.def("ipc_close", &cuda::ipc_close, py::arg("mapped"));
+  m.def("all_reduce", &cuda::all_reduce, py::arg("out"), py::arg("input"), py::arg("residual"),
+        py::arg("elements"), py::arg("dtype"), py::arg("buffers"), py::arg("rank"),
+        py::arg("capacity"), py::arg("stream"));
   m.def("set_programmatic_launch", &cuda::set_programmatic_launch, py::arg("on"));
   m.def("programmatic_launch", &cuda::programmatic_launch);
   py::enum_<cuda::GemvEpilogue>(m, "GemvEpilogue")

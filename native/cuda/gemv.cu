@@ -11,12 +11,17 @@
 // the decoder layer is six launches: these fusions remove the norm, add and
 // silu_mul kernels (and their launch gaps) between the projections.
 //
-// FP8 weights (E4M3, a float scale per output channel) take the same kernel
-// with 16 weights per 16-byte load, half the bytes of 16-bit weights. The
+// FP8 weights (E4M3, a float scale per output channel) take their own
+// kernel on the FP8 tensor cores (mma.sync m16n8k32): converting 16 weights
+// per 16-byte load to float on the CUDA cores costs more issue slots than
+// the load itself, so a scalar loop stays well short of the bandwidth. The
 // staged x rows are quantized per row in the prologue (after the norm, if
-// any) exactly as quantize_fp8 does, so each product is the reference's
-// q_x * q_w, summed in fp32 and scaled by (x scale) * (weight scale) before
-// the epilogue: fp8_linear_reference's numbers, one launch per projection.
+// any) exactly as quantize_fp8 does; a block owns 16 weight rows (8 row
+// pairs for silu_mul and rope), its warps split K, and each mma pair's sum
+// of 64 products is added into fp32 registers (the tensor cores' own
+// accumulation is kept that short). The fixed-order sum over warps is scaled
+// by (x scale) * (weight scale) before the same epilogues as the 16-bit
+// GEMV: fp8_linear_reference's numbers, one launch per projection.
 #include <type_traits>
 
 #include "common.cuh"
@@ -47,22 +52,6 @@ __device__ __forceinline__ float2 widen2<__half>(std::uint32_t u) {
   return __half22float2(*reinterpret_cast<__half2*>(&u));
 }
 
-// 16 E4M3 values -> float.
-__device__ __forceinline__ void widen16_fp8(const uint4& v, float* f) {
-  const std::uint32_t w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(
-          static_cast<__nv_fp8x2_storage_t>(w[i] >> (16 * j)), __NV_E4M3);
-      const float2 p = __half22float2(*reinterpret_cast<const __half2*>(&h));
-      f[4 * i + 2 * j] = p.x;
-      f[4 * i + 2 * j + 1] = p.y;
-    }
-  }
-}
-
 template <typename T>
 __device__ __forceinline__ void widen8(const uint4& v, float* f) {
   const std::uint32_t w[4] = {v.x, v.y, v.z, v.w};
@@ -71,16 +60,6 @@ __device__ __forceinline__ void widen8(const uint4& v, float* f) {
     const float2 p = widen2<T>(w[i]);
     f[2 * i] = p.x;
     f[2 * i + 1] = p.y;
-  }
-}
-
-// A 16-byte chunk of weights -> its 8 (16-bit) or 16 (FP8) values.
-template <typename TW>
-__device__ __forceinline__ void widen_weights(const uint4& v, float* f) {
-  if constexpr (std::is_same_v<TW, __nv_fp8_e4m3>) {
-    widen16_fp8(v, f);
-  } else {
-    widen8<TW>(v, f);
   }
 }
 
@@ -136,55 +115,19 @@ __device__ __forceinline__ int rope_row(int p, int head_dim) {
   return (p / half) * head_dim + p % half;
 }
 
-// x is read only after grid_dependency_wait (the previous kernel may still be
-// writing it when this one starts): through L2 (__ldcg), staged once per
-// block in shared memory when it fits (kSmemX), else per use.
-template <typename T, typename TW, int M, int R, int W, bool kSmemX, Prologue P, Epilogue E>
-__global__ void __launch_bounds__(W * 32) gemv_kernel(const GemvArgs<T, TW> a) {
-  constexpr bool kFp8 = std::is_same_v<TW, __nv_fp8_e4m3>;
-  static_assert(P == Prologue::kNone || kSmemX, "the norm prologue works on staged x");
-  static_assert(!kFp8 || kSmemX, "FP8 quantizes the staged x");
-  constexpr int kE = 16 / sizeof(TW);  // weights per 16-byte chunk
-  constexpr int kXv = kE / 8;          // x vectors (8 values) per chunk
-  static_assert((E != Epilogue::kSiluMul && E != Epilogue::kRopeKV) || R == 2,
-                "silu_mul and rope pair two rows per warp");
-  constexpr bool kPaired = E == Epilogue::kSiluMul || E == Epilogue::kRopeKV;
+// Stages the M x rows in shared memory (x is read only after
+// grid_dependency_wait: the previous kernel may still be writing it; through
+// L2, __ldcg) and, with kRmsNorm, normalizes them in place. Every thread of
+// the block takes part; `partial` is the block's [W][M] scratch.
+template <typename T, typename TW, int M, int W, Prologue P>
+__device__ __forceinline__ void stage_x(const GemvArgs<T, TW>& a, uint4* xs,
+                                        float (&partial)[W][M]) {
   constexpr int kThreads = W * 32;
-  constexpr int kU = kInFlight / R;  // chunks per row per iteration
-  extern __shared__ uint4 xs[];      // [M][kv] with kSmemX
-  __shared__ float partial[W][M];    // kRmsNorm: per-warp sums of squares
-  launch_dependents();               // a following GEMV may start fetching its weights
   const int lane = threadIdx.x % 32;
-  const int warp_id = blockIdx.x * W + threadIdx.x / 32;
-  // First output column of this warp (may be past n_out: no writes) and its weight rows.
-  const int n0 = kPaired ? warp_id : warp_id * R;
-  const int kv = a.k_in / kE;  // 16-byte weight chunks per row
   const int kxv = a.k_in / 8;  // 8-value x vectors per row
-  const uint4* wr[R];
-  float ws[R];  // FP8: the rows' scales
-#pragma unroll
-  for (int r = 0; r < R; ++r) {
-    int row;
-    if constexpr (E == Epilogue::kSiluMul) {
-      row = min(n0, a.n_out - 1) + r * a.n_out;
-    } else if constexpr (E == Epilogue::kRopeKV) {
-      row = rope_row(min(n0, a.n_out - 1), a.rope.head_dim) + r * (a.rope.head_dim / 2);
-    } else {
-      row = min(n0 + r, a.n_out - 1);
-    }
-    wr[r] = reinterpret_cast<const uint4*>(a.w) + static_cast<std::int64_t>(row) * kv;
-    ws[r] = kFp8 ? __ldg(a.w_scale + row) : 1.0f;
-  }
-  uint4 wv[kU][R];
-  int base = lane;
-  load_weights<kU, R>(wv, wr, base, kv);  // independent of the previous kernel
-
-  grid_dependency_wait();
   const uint4* xv = reinterpret_cast<const uint4*>(a.x);
-  if constexpr (kSmemX) {
-    for (int i = threadIdx.x; i < M * kxv; i += kThreads) xs[i] = __ldcg(xv + i);
-    __syncthreads();
-  }
+  for (int i = threadIdx.x; i < M * kxv; i += kThreads) xs[i] = __ldcg(xv + i);
+  __syncthreads();
   if constexpr (P == Prologue::kRmsNorm) {
     // x[m] <- norm_w * to_T(x[m] * rsqrt(mean(x[m]^2) + eps)), as rms_norm.
     float ss[M];
@@ -224,39 +167,99 @@ __global__ void __launch_bounds__(W * 32) gemv_kernel(const GemvArgs<T, TW> a) {
     }
     __syncthreads();
   }
+}
 
-  float sx[M];  // FP8: each row's scale
-  if constexpr (kFp8) {
-    // x[m] <- e4m3(x[m] / scale[m]) (held exactly in T), as quantize_fp8.
-#pragma unroll
-    for (int m = 0; m < M; ++m) {
-      float amax = 0.0f;
-      for (int i = threadIdx.x; i < kxv; i += kThreads) {
-        float f[8];
-        widen8<T>(xs[m * kxv + i], f);
-#pragma unroll
-        for (int e = 0; e < 8; ++e) amax = fmaxf(amax, fabsf(f[e]));
-      }
-      amax = warp_max(amax);
-      if (lane == 0) partial[threadIdx.x / 32][m] = amax;
+// One output (m, n) of the epilogue, from the fp32 product v (and, for the
+// paired epilogues, v2: the up row of silu_mul, the second row of a rotation
+// pair n).
+template <typename T, typename TW, Epilogue E>
+__device__ __forceinline__ void store_output(const GemvArgs<T, TW>& a, int m, int n, float v,
+                                             float v2) {
+  if constexpr (E == Epilogue::kRopeKV) {
+    // Rotated as rotary does (products and sum rounded apart), stored as
+    // rotary_write_kv would.
+    const RopeKV& rp = a.rope;
+    const int half = rp.head_dim / 2, head = n / half, j = n % half;
+    float lo = round_to<T>(v), hi = round_to<T>(v2);
+    if (head < rp.num_heads + rp.num_kv_heads) {
+      const float* cs = rp.cos_sin + rp.positions[m] * rp.head_dim;
+      const float c = cs[j], sn = cs[half + j];
+      const float l = __fadd_rn(__fmul_rn(lo, c), __fmul_rn(-hi, sn));
+      hi = __fadd_rn(__fmul_rn(hi, c), __fmul_rn(lo, sn));
+      lo = l;
     }
-    __syncthreads();
-#pragma unroll
-    for (int m = 0; m < M; ++m) {
-      float amax = 0.0f;
-#pragma unroll
-      for (int i = 0; i < W; ++i) amax = fmaxf(amax, partial[i][m]);
-      sx[m] = fp8_scale(amax);
+    T* dst;
+    if (head < rp.num_heads) {
+      dst = a.y + (static_cast<std::int64_t>(m) * rp.num_heads + head) * rp.head_dim;
+    } else {
+      const std::int64_t slot = rp.slots[m];
+      if (slot < 0) return;
+      const bool is_k = head < rp.num_heads + rp.num_kv_heads;
+      const int kvh = head - rp.num_heads - (is_k ? 0 : rp.num_kv_heads);
+      const std::int64_t block = slot / rp.block_size;
+      dst = static_cast<T*>(is_k ? rp.k_cache : rp.v_cache) +
+            ((block * rp.num_kv_heads + kvh) * rp.block_size + slot % rp.block_size) *
+                rp.head_dim;
     }
-    for (int i = threadIdx.x; i < M * kxv; i += kThreads) {
-      float f[8];
-      widen8<T>(xs[i], f);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) f[e] = fp8_round(f[e], sx[i / kxv]);
-      xs[i] = pack8<T>(f);
-    }
-    __syncthreads();
+    dst[j] = from_float<T>(lo);
+    dst[j + half] = from_float<T>(hi);
+  } else if constexpr (E == Epilogue::kSiluMul) {
+    // silu rounded to T before the product, as silu_mul.
+    const float g = round_to<T>(v), u = round_to<T>(v2);
+    a.y[static_cast<std::int64_t>(m) * a.n_out + n] =
+        from_float<T>(round_to<T>(g / (1.0f + expf(-g))) * u);
+  } else {
+    T* dst = a.y + static_cast<std::int64_t>(m) * a.n_out + n;
+    if constexpr (E == Epilogue::kAddInto) v = round_to<T>(v) + to_float(*dst);
+    *dst = from_float<T>(v);
   }
+}
+
+// Weight row of a warp's (16-bit) or tile's (FP8) r-th row pairing, for the
+// output column n (clamped into range: a column past n_out is computed but
+// not written): silu_mul pairs gate row n with up row n + n_out, rope pairs
+// the rows of rotation pair n.
+template <Epilogue E>
+__device__ __forceinline__ int weight_row(int n, int second, int n_out, int head_dim) {
+  n = min(n, n_out - 1);
+  if constexpr (E == Epilogue::kSiluMul) {
+    return n + second * n_out;
+  } else if constexpr (E == Epilogue::kRopeKV) {
+    return rope_row(n, head_dim) + second * (head_dim / 2);
+  } else {
+    return n;
+  }
+}
+
+template <typename T, int M, int R, int W, bool kSmemX, Prologue P, Epilogue E>
+__global__ void __launch_bounds__(W * 32) gemv_kernel(const GemvArgs<T, T> a) {
+  static_assert(P == Prologue::kNone || kSmemX, "the norm prologue works on staged x");
+  static_assert((E != Epilogue::kSiluMul && E != Epilogue::kRopeKV) || R == 2,
+                "silu_mul and rope pair two rows per warp");
+  constexpr bool kPaired = E == Epilogue::kSiluMul || E == Epilogue::kRopeKV;
+  constexpr int kU = kInFlight / R;  // chunks per row per iteration
+  extern __shared__ uint4 xs[];      // [M][kv] with kSmemX
+  __shared__ float partial[W][M];    // kRmsNorm: per-warp sums of squares
+  launch_dependents();               // a following GEMV may start fetching its weights
+  const int lane = threadIdx.x % 32;
+  const int warp_id = blockIdx.x * W + threadIdx.x / 32;
+  // First output column of this warp (may be past n_out: no writes) and its weight rows.
+  const int n0 = kPaired ? warp_id : warp_id * R;
+  const int kv = a.k_in / 8;  // 16-byte chunks per row (of weights and of x)
+  const uint4* wr[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const int row = kPaired ? weight_row<E>(n0, r, a.n_out, a.rope.head_dim)
+                            : weight_row<E>(n0 + r, 0, a.n_out, a.rope.head_dim);
+    wr[r] = reinterpret_cast<const uint4*>(a.w) + static_cast<std::int64_t>(row) * kv;
+  }
+  uint4 wv[kU][R];
+  int base = lane;
+  load_weights<kU, R>(wv, wr, base, kv);  // independent of the previous kernel
+
+  grid_dependency_wait();
+  const uint4* xv = reinterpret_cast<const uint4*>(a.x);
+  if constexpr (kSmemX) stage_x<T, T, M, W, P>(a, xs, partial);
 
   float acc[M][R];
 #pragma unroll
@@ -268,22 +271,18 @@ __global__ void __launch_bounds__(W * 32) gemv_kernel(const GemvArgs<T, TW> a) {
     for (int u = 0; u < kU; ++u) {
       const int k = base + 32 * u;
       if (k < kv) {
-        float wf[R][kE];
+        float wf[R][8];
 #pragma unroll
-        for (int r = 0; r < R; ++r) widen_weights<TW>(wv[u][r], wf[r]);
+        for (int r = 0; r < R; ++r) widen8<T>(wv[u][r], wf[r]);
 #pragma unroll
         for (int m = 0; m < M; ++m) {
-          float xf[kE];
-#pragma unroll
-          for (int j = 0; j < kXv; ++j) {
-            const int xi = m * kxv + k * kXv + j;
-            widen8<T>(kSmemX ? xs[xi] : __ldcg(xv + xi), xf + 8 * j);
-          }
+          float xf[8];
+          widen8<T>(kSmemX ? xs[m * kv + k] : __ldcg(xv + m * kv + k), xf);
 #pragma unroll
           for (int r = 0; r < R; ++r) {
             float s = acc[m][r];
 #pragma unroll
-            for (int e = 0; e < kE; ++e) s = fmaf(xf[e], wf[r][e], s);
+            for (int e = 0; e < 8; ++e) s = fmaf(xf[e], wf[r][e], s);
             acc[m][r] = s;
           }
         }
@@ -296,90 +295,184 @@ __global__ void __launch_bounds__(W * 32) gemv_kernel(const GemvArgs<T, TW> a) {
 #pragma unroll
   for (int m = 0; m < M; ++m)
 #pragma unroll
-    for (int r = 0; r < R; ++r) {
-      acc[m][r] = warp_sum(acc[m][r]);
-      if constexpr (kFp8) acc[m][r] = acc[m][r] * sx[m] * ws[r];  // as the reference
-    }
-  if constexpr (E == Epilogue::kRopeKV) {
-    // Lane m rotates (m, pair n0) as rotary does (products and sum rounded
-    // apart) and stores it as rotary_write_kv would.
-    const RopeKV& rp = a.rope;
-    const int half = rp.head_dim / 2, head = n0 / half, j = n0 % half;
+    for (int r = 0; r < R; ++r) acc[m][r] = warp_sum(acc[m][r]);
+  // Paired: lane m writes (m, n0). Otherwise lane m * R + r writes (m, n0 + r).
 #pragma unroll
-    for (int m = 0; m < M; ++m) {
-      if (lane != m || n0 >= a.n_out) continue;
-      float lo = round_to<T>(acc[m][0]), hi = round_to<T>(acc[m][1]);
-      if (head < rp.num_heads + rp.num_kv_heads) {
-        const float* cs = rp.cos_sin + rp.positions[m] * rp.head_dim;
-        const float c = cs[j], sn = cs[half + j];
-        const float l = __fadd_rn(__fmul_rn(lo, c), __fmul_rn(-hi, sn));
-        hi = __fadd_rn(__fmul_rn(hi, c), __fmul_rn(lo, sn));
-        lo = l;
-      }
-      T* dst;
-      if (head < rp.num_heads) {
-        dst = a.y + (static_cast<std::int64_t>(m) * rp.num_heads + head) * rp.head_dim;
-      } else {
-        const std::int64_t slot = rp.slots[m];
-        if (slot < 0) continue;
-        const bool is_k = head < rp.num_heads + rp.num_kv_heads;
-        const int kvh = head - rp.num_heads - (is_k ? 0 : rp.num_kv_heads);
-        const std::int64_t block = slot / rp.block_size;
-        dst = static_cast<T*>(is_k ? rp.k_cache : rp.v_cache) +
-              ((block * rp.num_kv_heads + kvh) * rp.block_size + slot % rp.block_size) *
-                  rp.head_dim;
-      }
-      dst[j] = from_float<T>(lo);
-      dst[j + half] = from_float<T>(hi);
-    }
-  } else if constexpr (E == Epilogue::kSiluMul) {
-    // Lane m writes (m, n0): silu rounded to T before the product, as silu_mul.
-#pragma unroll
-    for (int m = 0; m < M; ++m) {
-      if (lane == m && n0 < a.n_out) {
-        const float g = round_to<T>(acc[m][0]), u = round_to<T>(acc[m][1]);
-        a.y[static_cast<std::int64_t>(m) * a.n_out + n0] =
-            from_float<T>(round_to<T>(g / (1.0f + expf(-g))) * u);
-      }
-    }
-  } else {
-    // Lane m * R + r writes output (m, n0 + r).
-#pragma unroll
-    for (int m = 0; m < M; ++m)
+  for (int m = 0; m < M; ++m) {
+    if constexpr (kPaired) {
+      if (lane == m && n0 < a.n_out) store_output<T, T, E>(a, m, n0, acc[m][0], acc[m][1]);
+    } else {
 #pragma unroll
       for (int r = 0; r < R; ++r) {
-        if (lane == m * R + r && n0 + r < a.n_out) {
-          T* dst = a.y + static_cast<std::int64_t>(m) * a.n_out + n0 + r;
-          float v = acc[m][r];
-          if constexpr (E == Epilogue::kAddInto) v = round_to<T>(v) + to_float(*dst);
-          *dst = from_float<T>(v);
-        }
+        if (lane == m * R + r && n0 + r < a.n_out) store_output<T, T, E>(a, m, n0 + r, acc[m][r], 0.0f);
       }
+    }
+  }
+}
+
+// ------------------------------------------------------------ FP8 weights
+using Fp8 = __nv_fp8_e4m3;
+constexpr int kFp8Steps = 8;  // 64-byte K steps in flight per warp (16 loads per lane)
+
+// Quantizes the staged x rows per row, as quantize_fp8: scale[m] =
+// fp8_scale(amax of row m), xq[m][k] = e4m3(x[m][k] / scale[m]) (bytes).
+template <typename T, int M, int W>
+__device__ __forceinline__ void quantize_staged(const uint4* xs, uint2* xq, int k_in,
+                                                float (&partial)[W][M], float (&scale)[M]) {
+  constexpr int kThreads = W * 32;
+  const int lane = threadIdx.x % 32;
+  const int kxv = k_in / 8;
+#pragma unroll
+  for (int m = 0; m < M; ++m) {
+    float amax = 0.0f;
+    for (int i = threadIdx.x; i < kxv; i += kThreads) {
+      float f[8];
+      widen8<T>(xs[m * kxv + i], f);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) amax = fmaxf(amax, fabsf(f[e]));
+    }
+    amax = warp_max(amax);
+    if (lane == 0) partial[threadIdx.x / 32][m] = amax;
+  }
+  __syncthreads();
+#pragma unroll
+  for (int m = 0; m < M; ++m) {
+    float amax = 0.0f;
+#pragma unroll
+    for (int i = 0; i < W; ++i) amax = fmaxf(amax, partial[i][m]);
+    scale[m] = fp8_scale(amax);
+  }
+  for (int i = threadIdx.x; i < M * kxv; i += kThreads) {
+    float f[8];
+    widen8<T>(xs[i], f);
+    std::uint32_t b[2] = {0, 0};
+#pragma unroll
+    for (int e = 0; e < 8; ++e)
+      b[e / 4] |= static_cast<std::uint32_t>(fp8_bits(f[e], scale[i / kxv])) << (8 * (e % 4));
+    xq[i] = make_uint2(b[0], b[1]);
+  }
+  __syncthreads();
+}
+
+// d = A (16 x 32 E4M3, row-major) * B (32 x 8 E4M3, column-major) + c, fp32.
+__device__ __forceinline__ void mma_e4m3(float (&d)[4], std::uint32_t a0, std::uint32_t a1,
+                                         std::uint32_t a2, std::uint32_t a3, std::uint32_t b0,
+                                         std::uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// A block owns a tile of 16 weight rows: rows g and g + 8 of the mma's A are
+// output columns c0 + g and c0 + 8 + g, or (paired epilogues) the two rows of
+// output column c0 + g. K runs in 64-byte steps, dealt to the W warps in
+// turn. In a step, lane (g, t) loads bytes [16 t, 16 t + 16) of both its rows
+// and of x row g (zero for g >= M): two mmas take bytes 0-7 and 8-15 of each
+// (an mma's K order is a permutation of the bytes, the same for A and B, so
+// the dot products are unchanged). Accumulator element j of lane (g, t) is
+// (row g + 8 (j / 2), x row 2 t + j % 2).
+template <typename T, int M, int W, Prologue P, Epilogue E>
+__global__ void __launch_bounds__(W * 32) gemv_fp8_kernel(const GemvArgs<T, Fp8> a) {
+  static_assert(M <= 8, "x rows are the mma's 8 columns");
+  constexpr bool kPaired = E == Epilogue::kSiluMul || E == Epilogue::kRopeKV;
+  constexpr int kCols = kPaired ? 8 : 16;  // output columns per block
+  extern __shared__ uint4 xs[];            // [M][K] of T, then [M][K] E4M3 bytes
+  __shared__ float partial[W][M];
+  __shared__ float sums[W][32][4];
+  launch_dependents();
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int g = lane / 4, t = lane % 4;
+  const int c0 = blockIdx.x * kCols;
+  const int hd = a.rope.head_dim;
+  const int row_a = weight_row<E>(c0 + g, 0, a.n_out, hd);
+  const int row_b = kPaired ? weight_row<E>(c0 + g, 1, a.n_out, hd)
+                            : weight_row<E>(c0 + 8 + g, 0, a.n_out, hd);
+  const int kv = a.k_in / 16;  // 16-byte weight chunks per row
+  const int steps = a.k_in / 64;
+  const uint4* wa = reinterpret_cast<const uint4*>(a.w) + static_cast<std::int64_t>(row_a) * kv + t;
+  const uint4* wb = reinterpret_cast<const uint4*>(a.w) + static_cast<std::int64_t>(row_b) * kv + t;
+  uint4 va[kFp8Steps], vb[kFp8Steps];
+  auto load = [&](int first) {
+#pragma unroll
+    for (int u = 0; u < kFp8Steps; ++u) {
+      const int s = first + W * u;
+      va[u] = s < steps ? load_stream(wa + 4 * s) : make_uint4(0, 0, 0, 0);
+      vb[u] = s < steps ? load_stream(wb + 4 * s) : make_uint4(0, 0, 0, 0);
+    }
+  };
+  int first = warp;
+  load(first);  // independent of the previous kernel
+
+  grid_dependency_wait();
+  stage_x<T, Fp8, M, W, P>(a, xs, partial);
+  uint2* xq8 = reinterpret_cast<uint2*>(xs + M * (a.k_in / 8));
+  float sx[M];
+  quantize_staged<T, M, W>(xs, xq8, a.k_in, partial, sx);
+  const uint4* xq = reinterpret_cast<const uint4*>(xq8) + g * kv + t;
+
+  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  while (true) {
+#pragma unroll
+    for (int u = 0; u < kFp8Steps; ++u) {
+      const int s = first + W * u;
+      if (s < steps) {  // the same for the whole warp
+        const uint4 b = g < M ? xq[4 * s] : make_uint4(0, 0, 0, 0);
+        float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        mma_e4m3(d, va[u].x, vb[u].x, va[u].y, vb[u].y, b.x, b.y);
+        mma_e4m3(d, va[u].z, vb[u].z, va[u].w, vb[u].w, b.z, b.w);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[j] += d[j];
+      }
+    }
+    first += W * kFp8Steps;
+    if (first >= steps) break;
+    load(first);
+  }
+#pragma unroll
+  for (int j = 0; j < 4; ++j) sums[warp][lane][j] = acc[j];
+  __syncthreads();
+  if (warp != 0) return;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    float v = 0.0f;
+#pragma unroll
+    for (int w = 0; w < W; ++w) v += sums[w][lane][j];
+    acc[j] = v;
+  }
+  const float wsa = __ldg(a.w_scale + row_a), wsb = __ldg(a.w_scale + row_b);
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const int m = 2 * t + j;
+    if (m >= M) continue;
+    const float lo = acc[j] * sx[m] * wsa, hi = acc[2 + j] * sx[m] * wsb;  // as the reference
+    if constexpr (kPaired) {
+      if (c0 + g < a.n_out) store_output<T, Fp8, E>(a, m, c0 + g, lo, hi);
+    } else {
+      if (c0 + g < a.n_out) store_output<T, Fp8, E>(a, m, c0 + g, lo, 0.0f);
+      if (c0 + 8 + g < a.n_out) store_output<T, Fp8, E>(a, m, c0 + 8 + g, hi, 0.0f);
+    }
   }
 }
 
 bool g_programmatic_launch = true;
 
-template <typename T, typename TW, int M, int W, bool kSmemX, Prologue P, Epilogue E>
-void launch_gemv_x(const GemvArgs<T, TW>& a, cudaStream_t s) {
-  constexpr bool kPaired = E == Epilogue::kSiluMul || E == Epilogue::kRopeKV;
-  constexpr int R = (kPaired || M > 2) ? 2 : 1;
-  constexpr int kColsPerWarp = kPaired ? 1 : R;
-  auto kernel = gemv_kernel<T, TW, M, R, W, kSmemX, P, E>;
-  const std::size_t smem = kSmemX ? static_cast<std::size_t>(M) * a.k_in * sizeof(T) : 0;
-  if (smem > 48 * 1024) {
-    static bool opted_in = false;  // one instantiation, one attribute call
-    if (!opted_in) {
-      check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      kGemvSmemBytes),
-                 "gemv: shared memory opt-in");
-      opted_in = true;
-    }
+// Launches `kernel` as a programmatic dependent (where on) with `smem` bytes
+// of dynamic shared memory; the first launch opts the kernel in to
+// `max_smem` (past 48 KiB, static shared memory included, a launch needs it).
+template <typename K, typename A>
+void launch(K kernel, const A& a, int blocks, int threads, std::size_t smem, std::size_t max_smem,
+            bool& opted_in, cudaStream_t s, const char* name) {
+  if (!opted_in) {
+    check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    static_cast<int>(max_smem)),
+               "gemv: shared memory opt-in");
+    opted_in = true;
   }
-  const int warps = (a.n_out + kColsPerWarp - 1) / kColsPerWarp;
   cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3((warps + W - 1) / W);
-  cfg.blockDim = dim3(W * 32);
+  cfg.gridDim = dim3(blocks);
+  cfg.blockDim = dim3(threads);
   cfg.dynamicSmemBytes = smem;
   cfg.stream = s;
   cudaLaunchAttribute attr[1];
@@ -387,22 +480,52 @@ void launch_gemv_x(const GemvArgs<T, TW>& a, cudaStream_t s) {
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = g_programmatic_launch ? 1 : 0;
-  check_cuda(cudaLaunchKernelEx(&cfg, kernel, a), "gemv_kernel");
+  const cudaError_t err = cudaLaunchKernelEx(&cfg, kernel, a);
+  if (err != cudaSuccess) cudaGetLastError();  // not left for the caller's next CUDA call
+  check_cuda(err, name);
+}
+
+template <typename T, int M, int W, bool kSmemX, Prologue P, Epilogue E>
+void launch_gemv_x(const GemvArgs<T, T>& a, cudaStream_t s) {
+  constexpr bool kPaired = E == Epilogue::kSiluMul || E == Epilogue::kRopeKV;
+  constexpr int R = (kPaired || M > 2) ? 2 : 1;
+  constexpr int kColsPerWarp = kPaired ? 1 : R;
+  static bool opted_in = false;  // one instantiation, one attribute call
+  const std::size_t smem = kSmemX ? static_cast<std::size_t>(M) * a.k_in * sizeof(T) : 0;
+  const int warps = (a.n_out + kColsPerWarp - 1) / kColsPerWarp;
+  launch(gemv_kernel<T, M, R, W, kSmemX, P, E>, a, (warps + W - 1) / W, W * 32, smem,
+         kGemvSmemBytes, opted_in, s, "gemv_kernel");
+}
+
+template <typename T, int M, int W, Prologue P, Epilogue E>
+void launch_gemv_fp8_w(const GemvArgs<T, Fp8>& a, cudaStream_t s) {
+  constexpr int kCols = (E == Epilogue::kSiluMul || E == Epilogue::kRopeKV) ? 8 : 16;
+  static bool opted_in = false;
+  const std::size_t smem = static_cast<std::size_t>(M) * a.k_in * (sizeof(T) + 1);
+  launch(gemv_fp8_kernel<T, M, W, P, E>, a, (a.n_out + kCols - 1) / kCols, W * 32, smem,
+         kGemvFp8SmemBytes, opted_in, s, "gemv_fp8_kernel");
 }
 
 // Long rows (the down projection's K = 14336) take 8 warps a block, so one
 // staged copy of x serves twice the rows and the grid fits in one wave.
 template <typename T, typename TW, int M, Prologue P, Epilogue E>
 void launch_gemv(const GemvArgs<T, TW>& a, cudaStream_t s) {
-  constexpr bool kFp8 = std::is_same_v<TW, __nv_fp8_e4m3>;
-  const bool smem_x = static_cast<std::int64_t>(M) * a.k_in * sizeof(T) <= kGemvSmemBytes;
-  if constexpr (P == Prologue::kNone && !kFp8) {
-    if (!smem_x) return launch_gemv_x<T, TW, M, 4, false, P, E>(a, s);
+  if constexpr (std::is_same_v<TW, Fp8>) {
+    require(static_cast<std::int64_t>(M) * a.k_in * (sizeof(T) + 1) <= kGemvFp8SmemBytes,
+            "gemv: FP8 weights need rows * K * 3 <= " + std::to_string(kGemvFp8SmemBytes) +
+                " bytes");
+    if (a.k_in > 8192) return launch_gemv_fp8_w<T, M, 8, P, E>(a, s);
+    return launch_gemv_fp8_w<T, M, 4, P, E>(a, s);
+  } else {
+    const bool smem_x = static_cast<std::int64_t>(M) * a.k_in * sizeof(T) <= kGemvSmemBytes;
+    if constexpr (P == Prologue::kNone) {
+      if (!smem_x) return launch_gemv_x<T, M, 4, false, P, E>(a, s);
+    }
+    require(smem_x, "gemv: the fused norm needs rows * K * 2 <= " +
+                        std::to_string(kGemvSmemBytes) + " bytes");
+    if (a.k_in > 8192) return launch_gemv_x<T, M, 8, true, P, E>(a, s);
+    launch_gemv_x<T, M, 4, true, P, E>(a, s);
   }
-  require(smem_x, std::string("gemv: ") + (kFp8 ? "FP8 weights need" : "the fused norm needs") +
-                      " rows * K * 2 <= " + std::to_string(kGemvSmemBytes) + " bytes");
-  if (a.k_in > 8192) return launch_gemv_x<T, TW, M, 8, true, P, E>(a, s);
-  launch_gemv_x<T, TW, M, 4, true, P, E>(a, s);
 }
 
 // The fused forms, and FP8 weights, serve decode at batch 1-4 only (fewer
@@ -461,7 +584,7 @@ void check_gemv_args(std::uintptr_t x, std::uintptr_t w, std::int64_t rows, std:
   require(dtype == DType::kF16 || dtype == DType::kBF16, "gemv: dtype must be float16 or bfloat16");
   require(rows >= 1 && rows <= kGemvMaxRows, "gemv: rows must be 1..8");
   require(k_in > 0 && k_in % 8 == 0 && n_out > 0, "gemv: K must be a positive multiple of 8");
-  require(w_scale == 0 || k_in % 16 == 0, "gemv: FP8 weights need K a multiple of 16");
+  require(w_scale == 0 || k_in % 64 == 0, "gemv: FP8 weights need K a multiple of 64");
   require(x % 16 == 0 && w % 16 == 0 && norm_weight % 16 == 0 && w_scale % 4 == 0,
           "gemv: x, w and the norm weight must be 16-byte aligned, the scales 4-byte");
   require(n_out < (1LL << 30) && k_in < (1LL << 31), "gemv: sizes too large");

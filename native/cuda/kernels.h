@@ -5,7 +5,10 @@
 // a CUDA error or an unsupported shape.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
+#include <string>
+#include <vector>
 
 namespace turbomq {
 namespace cuda {
@@ -69,12 +72,14 @@ void rotary_write_kv(std::uintptr_t q_out, std::uintptr_t q, std::int64_t q_stri
 // runs (the other kernels here signal it early), issues its first weight
 // loads, and waits for that kernel before reading x.
 // w_scale != 0: w is E4M3 [N, K] with a float32 scale per row at w_scale (K
-// a multiple of 16, at most 4 rows, x staged in shared memory); x is
+// a multiple of 64, at most 4 rows, rows * K * 3 <= kGemvFp8SmemBytes: x
+// staged in shared memory and quantized there, on the tensor cores); x is
 // quantized per row in the kernel exactly as quantize_fp8, and y is
 // fp8_linear_reference's product (before the epilogue, which is as above).
 constexpr int kGemvMaxRows = 8;
 constexpr int kGemvMaxFusedRows = 4;  // with a norm or a non-store epilogue
 constexpr int kGemvSmemBytes = 64 * 1024;  // x staged in shared memory up to this size
+constexpr int kGemvFp8SmemBytes = 192 * 1024;  // FP8: x and its E4M3 copy
 enum class GemvEpilogue : int { kStore = 0, kAddInto = 1, kSiluMul = 2 };
 void set_programmatic_launch(bool on);
 bool programmatic_launch();
@@ -177,6 +182,25 @@ void paged_attention(const AttentionArgs& args);
 // Rows of one tile and warps of one attention block (for the caller's sizing).
 constexpr int kAttentionTileRows = 16;
 constexpr int kAttentionPartitionAlign = 64;
+
+// Tensor-parallel all-reduce over peer memory (one-shot, for small
+// messages). Each rank allocates a buffer for messages of up to `capacity`
+// bytes, shares it with ipc_handle, maps the peers' with ipc_open, then on
+// every rank in the same order calls all_reduce with every rank's buffer (its
+// own and the mapped ones, in rank order): out = in summed over the ranks,
+// or with `residual` != 0, out = residual + that (out may be in or
+// residual). 16-bit elements, 16-byte aligned, 16-byte multiples.
+constexpr int kAllReduceMaxRanks = 8;
+constexpr int kAllReduceMaxBlocks = 64;
+std::size_t all_reduce_buffer_bytes(std::int64_t capacity);
+std::uintptr_t all_reduce_buffer_alloc(std::int64_t capacity);
+void all_reduce_buffer_free(std::uintptr_t buffer);
+std::string ipc_handle(std::uintptr_t buffer);
+std::uintptr_t ipc_open(const std::string& handle);
+void ipc_close(std::uintptr_t mapped);
+void all_reduce(std::uintptr_t out, std::uintptr_t in, std::uintptr_t residual,
+                std::int64_t elements, DType dtype, const std::vector<std::uintptr_t>& buffers,
+                int rank, std::int64_t capacity, std::uintptr_t stream);
 
 }  // namespace cuda
 }  // namespace turbomq

@@ -15,11 +15,14 @@ from turbomq.worker.model.parallel import shard_weight
 GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
 
 
-def run(model: str, tp: int, prompts: list, **config) -> list:
+def run(model: str, tp: int, prompts: list, counters: dict = None, **config) -> list:
     engine = Engine(EngineConfig(model=model, max_batch_size=4, block_size=16,
                                  max_num_batched_tokens=48, tensor_parallel=tp, **config))
     try:
-        return [r.token_ids for r in engine.generate(input_ids=prompts, params=GREEDY)]
+        out = [r.token_ids for r in engine.generate(input_ids=prompts, params=GREEDY)]
+        if counters is not None:
+            counters.update(engine.counters)
+        return out
     finally:
         engine.close()
 
@@ -33,7 +36,11 @@ def prompts(seed: int, n: int, vocab: int) -> list:
 def test_two_ranks_give_the_tokens_of_one(name, tmp_path):
     _, path = make_hf_model(name, tmp_path)
     batch = prompts(1, 7, 250)  # more than the 4 slots, prompts over the 48-token step budget
-    assert run(path, 2, batch) == run(path, 1, batch)
+    counters = {}
+    assert run(path, 2, batch, counters) == run(path, 1, batch)
+    # Steps launched before the previous step's tokens reached the host: every
+    # rank took them from rank 0's broadcast, on the device.
+    assert counters["overlapped_steps"] > 0
 
 
 def test_four_ranks_sessions_under_eviction_pressure():

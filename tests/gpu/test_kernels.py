@@ -271,7 +271,7 @@ def test_gemv_after_norm_in_graph(programmatic, gen):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
-@pytest.mark.parametrize("mode", ["norm", "silu", "norm+silu", "add"])
+@pytest.mark.parametrize("mode", ["norm", "silu", "norm+silu", "add", "silu+add"])
 @pytest.mark.parametrize("n,k", [(4096, 4096), (1000, 14336), (40, 8), (515, 1032)])
 def test_gemv_fused(dtype, rows, mode, n, k, gen):
     """The norm prologue, silu_mul and add-into epilogues against the
@@ -284,7 +284,7 @@ def test_gemv_fused(dtype, rows, mode, n, k, gen):
     w = randn((2 * n if "silu" in mode else n, k), dtype, gen, 0.05)
     norm = (randn((k,), dtype, gen), 1e-5) if "norm" in mode else None
     silu = "silu" in mode
-    residual = randn((rows, n), dtype, gen) if mode == "add" else None
+    residual = randn((rows, n), dtype, gen) if "add" in mode else None
     start = residual.clone() if residual is not None else None
     out = None if residual is not None else poisoned((rows, n), dtype)
     got = cuda_ops.linear(x, w, norm=norm, silu=silu, residual=residual, out=out, native=True)

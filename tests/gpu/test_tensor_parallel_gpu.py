@@ -58,3 +58,84 @@ def test_two_gpus_graph_decode_equals_eager(tmp_path):
     eager = run(path, 2, "bf16", batch, max_batch_size=8, cuda_graphs=False)
     assert graphed == eager
 
+
+
+def _peer_all_reduce_rank(rank: int, port: int, failures) -> None:
+    """One rank: the peer-memory all-reduce against NCCL's, bit for bit (two
+    ranks: one rounding of a + b either way), over messages of changing size
+    (each a different grid), with the residual add fused, and replayed from a
+    CUDA graph with fresh inputs."""
+    from turbomq.worker.model.parallel import ParallelConfig, TensorParallel
+
+    tp = TensorParallel(ParallelConfig(2, rank, f"tcp://127.0.0.1:{port}"),
+                        torch.device("cuda", rank))
+    try:
+        assert tp.peer is not None, "no peer all-reduce between the two GPUs"
+        g = torch.Generator(device="cuda").manual_seed(rank)
+        for rows, dtype in [(1, torch.bfloat16), (3, torch.float16), (64, torch.bfloat16),
+                            (1, torch.float16), (128, torch.bfloat16), (2, torch.bfloat16)] * 3:
+            x = torch.randn(rows, 4096, generator=g, device="cuda", dtype=dtype)
+            res = torch.randn(rows, 4096, generator=g, device="cuda", dtype=dtype)
+            assert tp.peer.fits(x)
+            want = x.clone()
+            dist_all_reduce(want)
+            got = x.clone()
+            tp.all_reduce(got)
+            assert torch.equal(got, want), f"all_reduce, {rows} rows"
+            fused = res.clone()
+            tp.all_reduce_into(fused, x.clone())
+            assert torch.equal(fused, res + want), f"all_reduce_into, {rows} rows"
+        # captured once, replayed with new inputs: the flags live on the device
+        x = torch.zeros(4, 4096, device="cuda", dtype=torch.bfloat16)
+        res = torch.zeros_like(x)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            tp.all_reduce_into(res, x)  # warm-up outside the capture
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            tp.all_reduce_into(res, x)
+        for step in range(20):
+            new_x = torch.randn(x.shape, generator=g, device="cuda", dtype=x.dtype)
+            new_res = torch.randn(x.shape, generator=g, device="cuda", dtype=x.dtype)
+            x.copy_(new_x)
+            res.copy_(new_res)
+            graph.replay()
+            want = new_x.clone()
+            dist_all_reduce(want)
+            assert torch.equal(res, new_res + want), f"graph replay {step}"
+        torch.cuda.synchronize()
+    except BaseException as exc:  # reported to the test, which fails on it
+        failures.put(f"rank {rank}: {exc!r}")
+        raise
+    finally:
+        tp.leave()
+
+
+def dist_all_reduce(t: torch.Tensor) -> None:
+    import torch.distributed as dist
+
+    dist.all_reduce(t)
+
+
+def test_peer_all_reduce_equals_nccl_and_replays_in_graphs():
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    failures = ctx.SimpleQueue()
+    procs = [ctx.Process(target=_peer_all_reduce_rank, args=(r, port, failures)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=300)
+    errors = []
+    while not failures.empty():
+        errors.append(failures.get())
+    assert not errors, errors
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]

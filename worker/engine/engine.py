@@ -477,9 +477,9 @@ class Engine:
         """Run one step; False when there was nothing to do.
 
         A step is left running: the next call schedules and launches its
-        successor first (a decode row takes its input token on the device)
-        and only then reads the tokens and streams them out. A repetition
-        penalty (it needs the token history), tensor parallelism or
+        successor first (a decode row takes its input token on the device,
+        on every rank) and only then reads the tokens and streams them out.
+        A repetition penalty (it needs the token history) or
         overlap_steps=False reads the previous step's tokens first."""
         drained = self._drain_inbox()
         self._land_loads()
@@ -549,9 +549,8 @@ class Engine:
 
     def _overlaps(self) -> bool:
         """Whether steps may launch before the previous step's tokens are
-        read. Not under tensor parallelism: the other ranks take every input
-        token from the host."""
-        return self.config.overlap_steps and self.ranks is None
+        read (every rank holds them on its device)."""
+        return self.config.overlap_steps
 
     def _runs_ahead(self, plan: StepPlan) -> bool:
         """Whether `plan` may launch before the previous step's tokens are
@@ -618,11 +617,11 @@ class Engine:
             ctx_lens.append(start + item.num_new_tokens)
             keys.append(seq.kv_key)
         width = (max(ctx_lens) + bs - 1) // bs
+        rows = [i for i, item in enumerate(plan.scheduled) if item.samples]
         step = StepInputs(ids, q_lens, ctx_lens, self.kv_manager.block_tables(keys, width),
-                          self._graphed(plan), prev_rows)
+                          self._graphed(plan), prev_rows, len(rows))
         if self.ranks is not None:  # the other ranks run this forward with us
             self.ranks.send_step(step)
-        rows = [i for i, item in enumerate(plan.scheduled) if item.samples]
         seqs = [plan.scheduled[i].seq for i in rows]
         reqs = [self._live[s.request_id] for s in seqs]
         tokens = self.runner.launch(step, rows, [s.params for s in seqs], [r.rng for r in reqs],

@@ -4,9 +4,12 @@ schedules.
 Rank 0 runs the engine: scheduler, KV manager, sampling. It starts ranks
 1.. (`start`), and for every forward it broadcasts the step's inputs (token
 ids, query and context lengths, block tables, whether a decode graph runs
-it) over the host group. The other ranks (`follow`) build the same
-ModelRunner and run the same forward, eagerly or by replaying the same
-captured graph (all-reduces inside), and discard the logits.
+it, which rows take their token from the previous step on the device, how
+many rows it samples) over the host group. The other ranks (`follow`) build
+the same ModelRunner and run the same forward, eagerly or by replaying the
+same captured graph (all-reduces inside), discard the logits, and receive
+the sampled tokens device to device, so steps overlap the host's work on
+every rank as on one.
 docs/engine.md, Tensor parallel."""
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ from .runner import ModelRunner, StepInputs
 log = logging.getLogger("turbomq.parallel")
 
 _STOP, _POOL, _FORWARD, _GRAPHED = 0, 1, 2, 3
-_HEADER = 5  # kind, sequences, tokens, table width, pool blocks
+# kind, sequences, tokens, table width, pool blocks, rows sampled, rows in flight given
+_HEADER = 7
 
 
 class Ranks:
@@ -42,22 +46,24 @@ class Ranks:
 
     def send_pool(self, num_blocks: int) -> None:
         """How many blocks every rank's pool holds."""
-        _broadcast(self.tp, torch.tensor([_POOL, 0, 0, 0, num_blocks], dtype=torch.long))
+        _broadcast(self.tp, torch.tensor([_POOL, 0, 0, 0, num_blocks, 0, 0], dtype=torch.long))
 
     def send_step(self, step: StepInputs) -> None:
         """The inputs of the forward rank 0 is about to run."""
         tables = np.asarray(step.tables, dtype=np.int64)
         kind = _GRAPHED if step.graphed else _FORWARD
-        _broadcast(self.tp, torch.tensor([kind, len(step.q_lens), len(step.ids), tables.shape[1], 0],
+        prev = step.prev_rows or []
+        _broadcast(self.tp, torch.tensor([kind, len(step.q_lens), len(step.ids), tables.shape[1], 0,
+                                          step.sampled, int(step.prev_rows is not None)],
                                          dtype=torch.long))
         _broadcast(self.tp, torch.cat([
             torch.tensor(step.ids + step.q_lens + step.ctx_lens, dtype=torch.long),
-            torch.from_numpy(tables.reshape(-1))]))
+            torch.from_numpy(tables.reshape(-1)), torch.tensor(prev, dtype=torch.long)]))
 
     def close(self) -> None:
         """Stop the other ranks, wait for them, leave the group."""
         try:
-            _broadcast(self.tp, torch.tensor([_STOP, 0, 0, 0, 0], dtype=torch.long))
+            _broadcast(self.tp, torch.tensor([_STOP, 0, 0, 0, 0, 0, 0], dtype=torch.long))
         finally:
             for p in self.followers:
                 p.join(15)
@@ -75,17 +81,19 @@ def _receive(tp: TensorParallel) -> Optional[Union[int, StepInputs]]:
     """Ranks > 0: the next step's inputs, the pool's block count, or None to stop."""
     header = torch.empty(_HEADER, dtype=torch.long)
     _broadcast(tp, header)
-    kind, n, t, width, blocks = header.tolist()
+    kind, n, t, width, blocks, sampled, in_flight = header.tolist()
     if kind == _STOP:
         return None
     if kind == _POOL:
         return blocks
-    body = torch.empty(t + 2 * n + n * width, dtype=torch.long)
+    end = t + 2 * n + n * width
+    body = torch.empty(end + (n if in_flight else 0), dtype=torch.long)
     _broadcast(tp, body)
     return StepInputs(ids=body[:t].tolist(), q_lens=body[t:t + n].tolist(),
                       ctx_lens=body[t + n:t + 2 * n].tolist(),
-                      tables=body[t + 2 * n:].reshape(n, width).numpy(),
-                      graphed=kind == _GRAPHED)
+                      tables=body[t + 2 * n:end].reshape(n, width).numpy(),
+                      graphed=kind == _GRAPHED,
+                      prev_rows=body[end:].tolist() if in_flight else None, sampled=sampled)
 
 
 def start(config: EngineConfig, model_config: ModelConfig) -> Ranks:
@@ -125,7 +133,7 @@ def follow(config: EngineConfig, rank: int, init_method: str) -> None:
             return
         runner.allocate_kv(num_blocks)  # the same pool and graphs as rank 0's
         while (step := _receive(tp)) is not None:
-            runner.forward(step)
+            runner.follow(step)
     finally:
         if runner is not None:
             runner.release_graphs()

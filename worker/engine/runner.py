@@ -40,9 +40,11 @@ class StepInputs:
     ctx_lens: list[int]  # KV length per sequence after this step
     tables: np.ndarray  # [sequences, width] block tables, -1 padded
     graphed: bool  # a decode step that a captured graph runs
-    # Rank 0: row i >= 0 (a decode row) takes its input token from row
-    # prev_rows[i] of the previous step's sampled tokens, still on the device.
+    # Row i >= 0 (a decode row) takes its input token from row prev_rows[i]
+    # of the previous step's sampled tokens, still on the device (every rank
+    # holds them: rank 0 broadcasts what it samples).
     prev_rows: Optional[list[int]] = None
+    sampled: int = 0  # rows whose next token rank 0 samples in this step
 
 
 @dataclass(eq=False)
@@ -96,6 +98,7 @@ class ModelRunner:
                                quantization=config.quantization)
             del checkpoint
         self.model = model
+        self.tp = tp
         mc = model.config
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings,
                                  mc.max_position_embeddings)
@@ -261,6 +264,7 @@ class ModelRunner:
         self.graphs = self.kv_cache = self.model = None
         self.host_kv = self.host_scales = None
         self._token_buffers = []
+        self._last_sampled = None  # the last step's tokens, kept for the next step
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # the allocator's cache too, back to the driver
 
@@ -292,6 +296,25 @@ class ModelRunner:
             picked = to_device(ends[list(rows)] if rows else ends[:1], torch.long, self.device)
         return self.model.forward(input_ids, batch, self.kv_cache, picked)
 
+    def follow(self, step: StepInputs) -> None:
+        """Ranks > 0: run the forward rank 0 announced, then take the tokens
+        it sampled (device to device), which the next step may read."""
+        self.forward(step)
+        if step.sampled:
+            tokens = torch.empty(step.sampled, dtype=torch.long, device=self.device)
+            self.tp.broadcast(tokens)
+            self._keep_sampled(tokens, broadcast=False)
+
+    def _keep_sampled(self, tokens: torch.Tensor, broadcast: bool = True) -> None:
+        """The step's sampled tokens stay on the device for the next step (and
+        where a decode graph reads them); rank 0 sends them to the other
+        ranks, so no rank waits for the host to hand them back."""
+        if self.tp is not None and broadcast:
+            self.tp.broadcast(tokens)
+        self._last_sampled = tokens
+        if self.graphs is not None:
+            self.graphs.prev_tokens[:len(tokens)].copy_(tokens)
+
     def launch(self, step: StepInputs, rows: Sequence[int], params: Sequence,
                rngs: Sequence, histories: Sequence[Sequence[int]]) -> SampledTokens:
         """Queue the forward and the sampling of the sequences in `rows` on the
@@ -300,11 +323,9 @@ class ModelRunner:
         if not rows:
             return SampledTokens(torch.empty(0, dtype=torch.long), None)
         tokens = sample(logits, params, rngs, histories)
-        self._last_sampled = tokens  # the next step may read them on the device
+        self._keep_sampled(tokens)
         if self.device.type != "cuda":
             return SampledTokens(tokens, None)
-        if self.graphs is not None:
-            self.graphs.prev_tokens[:len(rows)].copy_(tokens)  # where a graph reads them
         # Pinned, so the copy is asynchronous (into pageable memory it would
         # wait for this very step).
         host = self._token_buffers[self._token_turn][:len(rows)]

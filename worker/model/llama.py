@@ -121,6 +121,4 @@ class LlamaModel:
         if self.tp is None:
             self.ops.linear(x, w, residual=residual)
             return
-        partial = self.ops.linear(x, w)
-        self.tp.all_reduce(partial)
-        residual.add_(partial)
+        self.tp.all_reduce_into(residual, self.ops.linear(x, w))

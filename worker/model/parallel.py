@@ -14,16 +14,26 @@ Starting the ranks and telling them each step's inputs is the engine's side
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from .config import ModelConfig
+from .ops import cuda as cuda_ops
 
 # A rank that waits longer than this on a collective gives up: a peer died.
 COLLECTIVE_TIMEOUT = timedelta(seconds=120)
+
+# All-reduces of at most this many bytes (decode's rows: 8 KiB a row at 4096
+# wide) go through peer memory in one kernel; larger ones (prefill) through
+# NCCL. TURBOMQ_PEER_ALL_REDUCE_BYTES overrides; 0 turns it off.
+PEER_ALL_REDUCE_BYTES_DEFAULT = 1 << 20
+PEER_ALL_REDUCE_BYTES = int(os.environ.get("TURBOMQ_PEER_ALL_REDUCE_BYTES",
+                                           str(PEER_ALL_REDUCE_BYTES_DEFAULT)))
 
 
 @dataclass(frozen=True)
@@ -87,10 +97,77 @@ class TensorParallel:
                                 rank=self.rank, timeout=COLLECTIVE_TIMEOUT)
         # Host data (step inputs) travels over gloo whatever the device.
         self.host_group = dist.new_group(backend="gloo") if backend == "nccl" else dist.group.WORLD
+        self.peer = PeerAllReduce.open(self, device)
 
     def leave(self) -> None:
+        if self.peer is not None:
+            self.peer.close()
+            self.peer = None
         if dist.is_initialized():
             dist.destroy_process_group()
 
     def all_reduce(self, t: torch.Tensor) -> None:
-        dist.all_reduce(t)
+        """t summed over the ranks, in place."""
+        if self.peer is not None and self.peer.fits(t):
+            self.peer.run(t)
+        else:
+            dist.all_reduce(t)
+
+    def broadcast(self, t: torch.Tensor) -> None:
+        """Rank 0's t to every rank, on the device (NCCL on CUDA)."""
+        dist.broadcast(t, 0)
+
+    def all_reduce_into(self, residual: torch.Tensor, partial: torch.Tensor) -> None:
+        """residual += partial summed over the ranks (the sum rounded first,
+        as all_reduce then add_ round)."""
+        if self.peer is not None and self.peer.fits(partial):
+            self.peer.run(partial, residual)
+        else:
+            dist.all_reduce(partial)
+            residual.add_(partial)
+
+
+class PeerAllReduce:
+    """The one-shot all-reduce of native/cuda/all_reduce.cu: this rank's
+    buffer, shared with the peers through CUDA IPC, and theirs mapped here.
+    Every rank takes the same path for the same message, since fits() looks
+    only at its shape and dtype."""
+
+    def __init__(self, own: int, buffers: list[int], rank: int, capacity: int):
+        self.own, self.buffers, self.rank, self.capacity = own, buffers, rank, capacity
+
+    @classmethod
+    def open(cls, tp: "TensorParallel", device: torch.device) -> Optional["PeerAllReduce"]:
+        """The all-reduce over peer memory where every rank's GPU reaches every
+        other's (all ranks decide together, else None: NCCL only)."""
+        capacity = PEER_ALL_REDUCE_BYTES // 16 * 16
+        k = cuda_ops._k
+        ok = (device.type == "cuda" and capacity > 0 and k is not None
+              and hasattr(k, "all_reduce") and tp.size in (2, 4, 8)
+              and all(torch.cuda.can_device_access_peer(device, torch.device("cuda", d))
+                      for d in range(torch.cuda.device_count()) if d != device.index))
+        own = k.all_reduce_buffer_alloc(capacity) if ok else 0
+        handles: list = [None] * tp.size
+        dist.all_gather_object(handles, k.ipc_handle(own) if ok else None, group=tp.host_group)
+        if not all(handles):
+            if ok:
+                k.all_reduce_buffer_free(own)
+            return None
+        buffers = [own if r == tp.rank else k.ipc_open(h) for r, h in enumerate(handles)]
+        return cls(own, buffers, tp.rank, capacity)
+
+    def fits(self, t: torch.Tensor) -> bool:
+        return cuda_ops.all_reduce_fits(t, self.capacity)
+
+    def run(self, t: torch.Tensor, residual: Optional[torch.Tensor] = None) -> None:
+        cuda_ops.all_reduce_peer(t, self.buffers, self.rank, self.capacity, residual)
+
+    def close(self) -> None:
+        """Unmap the peers' buffers and free this one (no peer touches it
+        any more: every rank is past its last step)."""
+        k = cuda_ops._k
+        torch.cuda.synchronize()
+        for r, b in enumerate(self.buffers):
+            if r != self.rank:
+                k.ipc_close(b)
+        k.all_reduce_buffer_free(self.own)

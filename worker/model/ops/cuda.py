@@ -322,6 +322,9 @@ def _run_gemv(x: torch.Tensor, rows: int, n_out: int, weight_ptr: int,
               w_scale_ptr: int = 0) -> torch.Tensor:
     """One GEMV launch over checked inputs: 16-bit weights, or E4M3 weights
     with their scales at w_scale_ptr."""
+    if silu and residual is not None:  # no single epilogue does both
+        return residual.add_(_run_gemv(x, rows, n_out, weight_ptr, norm, True, None,
+                                       w_scale_ptr=w_scale_ptr))
     k_in = x.shape[-1]
     x2 = x.reshape(rows, k_in)
     if not x2.is_contiguous() or x2.data_ptr() % 16 != 0:
@@ -415,8 +418,8 @@ def _fp8_gemv_ok(x: torch.Tensor, w: Fp8Weight, rows: int,
     """Whether the FP8 GEMV takes x (its rows staged in shared memory) and w."""
     k_in = x.shape[-1]
     return (0 < rows <= min(FP8_GEMV_MAX_ROWS, _k.GEMV_MAX_FUSED_ROWS if _k else 0)
-            and _native_ok(x, w.data) and x.dtype in _HALF and k_in % 16 == 0
-            and rows * k_in * 2 <= _k.GEMV_SMEM_BYTES
+            and _native_ok(x, w.data) and x.dtype in _HALF and k_in % 64 == 0
+            and rows * k_in * 3 <= _k.GEMV_FP8_SMEM_BYTES
             and w.data.dim() == 2 and w.data.shape[1] == k_in and w.data.is_contiguous()
             and w.data.data_ptr() % 16 == 0 and w.scale.dtype == torch.float32
             and w.scale.is_contiguous() and w.scale.numel() == w.data.shape[0]
@@ -466,6 +469,26 @@ def _linear_unfused(x: torch.Tensor, weight: torch.Tensor,
     if residual is not None:
         return residual.add_(y)
     return y
+
+
+# ------------------------------------------------------ all-reduce
+def all_reduce_fits(x: torch.Tensor, capacity: int) -> bool:
+    """Whether the peer-memory all-reduce takes x (a message of <= capacity bytes)."""
+    return (_native_ok(x) and x.dtype in _HALF and x.is_contiguous() and x.data_ptr() % 16 == 0
+            and 0 < x.nbytes <= capacity and x.nbytes % 16 == 0)
+
+
+def all_reduce_peer(x: torch.Tensor, buffers: list[int], rank: int, capacity: int,
+                    residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x summed over the ranks through their peer-mapped buffers (every rank
+    calls it with the same shape); with `residual`, residual += that in
+    place. Returns the tensor written."""
+    out = residual if residual is not None else x
+    with _on_device(x):
+        _k.all_reduce(out.data_ptr(), x.data_ptr(),
+                      residual.data_ptr() if residual is not None else 0, x.numel(),
+                      _DTYPES[x.dtype], buffers, rank, capacity, _stream(x))
+    return out
 
 
 # ----------------------------------------------------------- attention

@@ -1,0 +1,189 @@
+// One-shot all-reduce over peer memory (NVLink), for the small messages of
+// tensor-parallel decode (a 4096-wide row is 8 KiB): every rank copies its
+// input into its own buffer, which every peer has mapped (CUDA IPC), meets
+// the peers at a flag barrier, then reads all ranks' buffers and sums them
+// itself. One kernel, no NCCL launch, no ring steps: at batch 1 the cost is
+// one NVLink round trip instead of NCCL's protocol overhead. Every rank sums
+// in rank order in fp32 and rounds once, so all ranks hold the same bits,
+// whatever the grid. The residual add of the projection it completes is
+// fused (out = residual + round(sum)), rounded as the separate add rounds.
+//
+// Layout of each rank's buffer (zeroed at allocation): the flags peers set
+// at the barrier ([block][rank] uint32), this rank's call counter and block
+// count (read only by this rank), then two data halves of `capacity` bytes.
+// Call n uses half n % 2: a rank can only start call n + 2 after every peer
+// has arrived at call n + 1, i.e. finished call n (kernels on one stream run
+// in order), so no peer still reads that half. The counter lives on the
+// device so that CUDA graphs replay the kernel with fresh flags; the last
+// block of a call to finish advances it (every block has read it by then).
+#include <algorithm>
+#include <cstring>
+
+#include "common.cuh"
+
+namespace turbomq {
+namespace cuda {
+namespace {
+
+constexpr int kThreads = 512;
+
+struct Header {
+  std::uint32_t flags[kAllReduceMaxBlocks][kAllReduceMaxRanks];
+  std::uint32_t counter;
+  std::uint32_t blocks_done;
+};
+constexpr std::size_t kDataOffset = (sizeof(Header) + 255) / 256 * 256;
+
+struct AllReduceArgs {
+  char* buffers[kAllReduceMaxRanks];  // every rank's buffer, mapped here
+  const uint4* in;
+  uint4* out;
+  const uint4* residual;  // or null
+  std::int64_t vectors;   // 16-byte vectors of the message
+  std::int64_t capacity;  // bytes of one data half
+  int rank, ranks;
+};
+
+__device__ __forceinline__ void store_release(std::uint32_t* p, std::uint32_t v) {
+  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ std::uint32_t load_acquire(const std::uint32_t* p) {
+  std::uint32_t v;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+template <typename T>
+__device__ __forceinline__ void add8(float* acc, const uint4& v) {
+  float f[8];
+  unpack8<T>(v, f);
+#pragma unroll
+  for (int e = 0; e < 8; ++e) acc[e] += f[e];
+}
+
+template <typename T, int R>
+__global__ void __launch_bounds__(kThreads) all_reduce_kernel(const AllReduceArgs a) {
+  Header* self = reinterpret_cast<Header*>(a.buffers[a.rank]);
+  const std::uint32_t call = *reinterpret_cast<volatile std::uint32_t*>(&self->counter) + 1;
+  const std::int64_t half = static_cast<std::int64_t>(call & 1) * a.capacity;
+  const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * kThreads;
+  const std::int64_t first = static_cast<std::int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  uint4* mine = reinterpret_cast<uint4*>(a.buffers[a.rank] + kDataOffset + half);
+  // Each block copies and later reduces the same vectors on every rank, so
+  // it needs only the same block of each peer at the barrier.
+  for (std::int64_t v = first; v < a.vectors; v += stride) mine[v] = a.in[v];
+  __syncthreads();
+  if (threadIdx.x < R) {
+    Header* peer = reinterpret_cast<Header*>(a.buffers[threadIdx.x]);
+    store_release(&peer->flags[blockIdx.x][a.rank], call);
+    while (load_acquire(&self->flags[blockIdx.x][threadIdx.x]) < call) {
+    }
+  }
+  __syncthreads();
+  const uint4* data[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+    data[r] = reinterpret_cast<const uint4*>(a.buffers[r] + kDataOffset + half);
+  for (std::int64_t v = first; v < a.vectors; v += stride) {
+    float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int r = 0; r < R; ++r) add8<T>(acc, data[r][v]);
+    if (a.residual != nullptr) {
+      float res[8];
+      unpack8<T>(a.residual[v], res);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc[e] = round_to<T>(acc[e]) + res[e];
+    }
+    a.out[v] = pack8<T>(acc);
+  }
+  if (threadIdx.x == 0) {
+    __threadfence();
+    if (atomicAdd(&self->blocks_done, 1u) == gridDim.x - 1) {
+      self->blocks_done = 0;
+      self->counter = call;
+    }
+  }
+}
+
+template <typename T>
+void launch_all_reduce(const AllReduceArgs& a, int blocks, cudaStream_t s) {
+  switch (a.ranks) {
+    case 2: all_reduce_kernel<T, 2><<<blocks, kThreads, 0, s>>>(a); break;
+    case 4: all_reduce_kernel<T, 4><<<blocks, kThreads, 0, s>>>(a); break;
+    case 8: all_reduce_kernel<T, 8><<<blocks, kThreads, 0, s>>>(a); break;
+    default: require(false, "all_reduce: 2, 4 or 8 ranks");
+  }
+  check_launch("all_reduce_kernel");
+}
+
+}  // namespace
+
+std::size_t all_reduce_buffer_bytes(std::int64_t capacity) {
+  return kDataOffset + 2 * static_cast<std::size_t>(capacity);
+}
+
+std::uintptr_t all_reduce_buffer_alloc(std::int64_t capacity) {
+  require(capacity > 0 && capacity % 16 == 0, "all_reduce: capacity must be a multiple of 16");
+  void* p = nullptr;
+  const std::size_t bytes = all_reduce_buffer_bytes(capacity);
+  check_cuda(cudaMalloc(&p, bytes), "all_reduce: cudaMalloc");
+  check_cuda(cudaMemset(p, 0, bytes), "all_reduce: cudaMemset");
+  check_cuda(cudaDeviceSynchronize(), "all_reduce: zeroing");
+  return reinterpret_cast<std::uintptr_t>(p);
+}
+
+void all_reduce_buffer_free(std::uintptr_t buffer) {
+  check_cuda(cudaFree(reinterpret_cast<void*>(buffer)), "all_reduce: cudaFree");
+}
+
+std::string ipc_handle(std::uintptr_t buffer) {
+  cudaIpcMemHandle_t h;
+  check_cuda(cudaIpcGetMemHandle(&h, reinterpret_cast<void*>(buffer)), "cudaIpcGetMemHandle");
+  return std::string(reinterpret_cast<const char*>(&h), sizeof(h));
+}
+
+std::uintptr_t ipc_open(const std::string& handle) {
+  require(handle.size() == sizeof(cudaIpcMemHandle_t), "ipc_open: not a CUDA IPC handle");
+  cudaIpcMemHandle_t h;
+  std::memcpy(&h, handle.data(), sizeof(h));
+  void* p = nullptr;
+  check_cuda(cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess), "cudaIpcOpenMemHandle");
+  return reinterpret_cast<std::uintptr_t>(p);
+}
+
+void ipc_close(std::uintptr_t mapped) {
+  check_cuda(cudaIpcCloseMemHandle(reinterpret_cast<void*>(mapped)), "cudaIpcCloseMemHandle");
+}
+
+void all_reduce(std::uintptr_t out, std::uintptr_t in, std::uintptr_t residual,
+                std::int64_t elements, DType dtype, const std::vector<std::uintptr_t>& buffers,
+                int rank, std::int64_t capacity, std::uintptr_t stream) {
+  const int ranks = static_cast<int>(buffers.size());
+  require(ranks >= 2 && ranks <= kAllReduceMaxRanks && rank >= 0 && rank < ranks,
+          "all_reduce: bad rank or number of ranks");
+  require(dtype == DType::kF16 || dtype == DType::kBF16, "all_reduce: float16 or bfloat16");
+  const std::int64_t bytes = elements * 2;
+  require(elements > 0 && bytes % 16 == 0 && bytes <= capacity,
+          "all_reduce: the message must be a multiple of 16 bytes, at most the capacity");
+  require(out % 16 == 0 && in % 16 == 0 && residual % 16 == 0,
+          "all_reduce: pointers must be 16-byte aligned");
+  AllReduceArgs a{};
+  for (int r = 0; r < ranks; ++r) a.buffers[r] = reinterpret_cast<char*>(buffers[r]);
+  a.in = reinterpret_cast<const uint4*>(in);
+  a.out = reinterpret_cast<uint4*>(out);
+  a.residual = reinterpret_cast<const uint4*>(residual);
+  a.vectors = bytes / 16;
+  a.capacity = capacity;
+  a.rank = rank;
+  a.ranks = ranks;
+  const int blocks = static_cast<int>(
+      std::min<std::int64_t>((a.vectors + kThreads - 1) / kThreads, kAllReduceMaxBlocks));
+  if (dtype == DType::kF16) {
+    launch_all_reduce<__half>(a, blocks, as_stream(stream));
+  } else {
+    launch_all_reduce<__nv_bfloat16>(a, blocks, as_stream(stream));
+  }
+}
+
+}  // namespace cuda
+}  // namespace turbomq

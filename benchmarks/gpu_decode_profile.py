@@ -2,8 +2,10 @@
 (random bf16 weights), one GPU:
 
 1. projections: the native GEMV (ops.linear) against cuBLAS (F.linear) for
-   every weight shape of the model, 1-8 rows, weights rotated through enough
-   copies that they come from HBM, not L2; CUDA-graph replays;
+   every weight shape of the model, 1 and 4 rows, and the FP8 GEMV on the
+   same weights converted to E4M3 (--quantization fp8's decode path; the LM
+   head stays bf16), weights rotated through enough copies that they come
+   from HBM, not L2; CUDA-graph replays;
 2. decode attention at batch 1 over a 256-token context with partitions
    planned for the graph's 512-token bucket: split-K combine fused or in a
    second launch, and forced partition sizes;
@@ -11,7 +13,7 @@
    default settings, with each decode optimization switched off in turn, and
    the kernels of one replay.
 
-    python benchmarks/gpu_decode_profile.py [--out DIR]
+    python benchmarks/gpu_decode_profile.py [--out DIR] [--only linear]
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from turbomq.worker.model.ops import LayerKV
 from turbomq.worker.model.llama import LlamaModel
 from turbomq.worker.model.ops import cuda as cuda_ops
 from turbomq.worker.model.ops.attention_batch import AttentionBatch
+from turbomq.worker.model.ops.fp8 import quantize_weight
 
 _spec = importlib.util.spec_from_file_location("gpu_engine", Path(__file__).with_name("gpu_engine.py"))
 gpu_engine = importlib.util.module_from_spec(_spec)
@@ -61,6 +64,8 @@ def bench_linear() -> list[dict]:
         nbytes = 2 * n * k
         copies = max(1, math.ceil(200e6 / nbytes))
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+        wq = [quantize_weight(w) for w in ws] if name != "lm_head" else []
+        fp8_bytes = n * k + 4 * n
         for m in (1, 4):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             res = {}
@@ -68,13 +73,19 @@ def bench_linear() -> list[dict]:
             for impl, fn in (("gemv", gemv), ("cublas", F.linear)):
                 ms = graph_ms(lambda: [fn(x, w) for w in ws]) / copies
                 res[impl] = ms * 1e3
-            rows.append({"name": name, "n": n, "k": k, "m": m, "gemv_us": res["gemv"],
-                         "cublas_us": res["cublas"], "gemv_GBps": nbytes / res["gemv"] / 1e3,
-                         "cublas_GBps": nbytes / res["cublas"] / 1e3})
-            print(f"{name:8s} {n:6d}x{k:5d} m={m}: gemv {res['gemv']:7.1f} us "
-                  f"({rows[-1]['gemv_GBps']:5.0f} GB/s)  cublas {res['cublas']:7.1f} us "
-                  f"({rows[-1]['cublas_GBps']:5.0f} GB/s)", flush=True)
-        del ws
+            row = {"name": name, "n": n, "k": k, "m": m, "gemv_us": res["gemv"],
+                   "cublas_us": res["cublas"], "gemv_GBps": nbytes / res["gemv"] / 1e3,
+                   "cublas_GBps": nbytes / res["cublas"] / 1e3}
+            line = (f"{name:8s} {n:6d}x{k:5d} m={m}: gemv {res['gemv']:7.1f} us "
+                    f"({row['gemv_GBps']:5.0f} GB/s)  cublas {res['cublas']:7.1f} us "
+                    f"({row['cublas_GBps']:5.0f} GB/s)")
+            if wq:
+                us = graph_ms(lambda: [cuda_ops.linear(x, w) for w in wq]) / copies * 1e3
+                row.update(fp8_gemv_us=us, fp8_gemv_GBps=fp8_bytes / us / 1e3)
+                line += f"  fp8 gemv {us:7.1f} us ({row['fp8_gemv_GBps']:5.0f} GB/s)"
+            rows.append(row)
+            print(line, flush=True)
+        del ws, wq
     torch.cuda.empty_cache()
     return rows
 
@@ -168,11 +179,15 @@ def bench_decode(out: Path) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=Path("build/gpu-results"))
+    ap.add_argument("--only", choices=["linear"], help="just the projections")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     results = {"device": torch.cuda.get_device_name()}
     results["linear"] = bench_linear()
+    if args.only == "linear":
+        (args.out / "decode_profile_linear.json").write_text(json.dumps(results, indent=2) + "\n")
+        return
     results["attention"] = bench_attention()
     results["decode"] = bench_decode(args.out)
     (args.out / "decode_profile.json").write_text(json.dumps(results, indent=2) + "\n")

@@ -4,7 +4,7 @@ Decode attention alone (llama-3-8B shapes: 32 query heads, 8 KV heads,
 head_dim 128, block 64), bf16 and INT8 KV, batch x context from 1x1k to
 256x8k: achieved GB/s (KV bytes read, plus INT8 scales, q, out and block
 tables) against the device-to-device copy bandwidth measured in the same run
-(bytes read + written). Plus one prefill-with-history shape and the
+(bytes read + written). Plus causal prefill (with history, 8k, 16k: both kernels) and the
 element-wise kernels against the PyTorch reference.
 
 Timing: CUDA graphs of many calls (launch gaps out of the numbers), CUDA
@@ -22,7 +22,6 @@ import math
 import statistics
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from turbomq.worker.model.ops import LayerKV
@@ -154,24 +153,39 @@ def bench_decode(copy_bw: float, sweep: list[dict]) -> list[dict]:
     return rows
 
 
+PREFILL_CASES = [("4 x 512 after 2048", 512, 2048, 4), ("8k causal", 8192, 0, 1),
+                 ("16k causal", 16384, 0, 1)]
+
+
 def bench_prefill() -> list[dict]:
-    """4 sequences x 512 new tokens after 2048 of history (causal)."""
+    """Causal prefill attention: 4 sequences x 512 new tokens after 2048 of
+    history, and fresh 8k and 16k prompts; attention.cu (bf16 and INT8 KV)
+    against prefill_attention.cu (bf16 KV), side by side."""
     rows = []
-    n, hist, seqs = 512, 2048, 4
     scale = HEAD_DIM ** -0.5
-    for name, kv_dtype in (("bf16", torch.bfloat16), ("int8", torch.int8)):
-        ctx = n + hist
-        kv, batches = make_pools(seqs, ctx, kv_dtype, 1)
-        tables = batches[0].block_tables.cpu().numpy()
-        batch = AttentionBatch.build([n] * seqs, [ctx] * seqs, tables, BLOCK, device=DEV)
-        q = torch.randn((n * seqs, NUM_HEADS, HEAD_DIM), dtype=torch.bfloat16, device=DEV)
-        t = time_graph(lambda i: cuda_ops.paged_attention(q, kv, batch, scale), calls=5, reps=10)
-        keys = sum(hist + i + 1 for i in range(n)) * seqs
-        flops = 4 * keys * NUM_HEADS * HEAD_DIM
-        rows.append({"kernel": "prefill_attention", "kv": name, "seqs": seqs, "new": n,
-                     "history": hist, "us": t * 1e6, "TFLOPs": flops / t / 1e12})
-        del kv, batches, q
-        torch.cuda.empty_cache()
+    for case, n, hist, seqs in PREFILL_CASES:
+        for kernel, name, kv_dtype in (("attention.cu", "bf16", torch.bfloat16),
+                                       ("attention.cu", "int8", torch.int8),
+                                       ("prefill_attention.cu", "bf16", torch.bfloat16)):
+            ctx = n + hist
+            kv, batches = make_pools(seqs, ctx, kv_dtype, 1)
+            tables = batches[0].block_tables.cpu().numpy()
+            batch = AttentionBatch.build([n] * seqs, [ctx] * seqs, tables, BLOCK, device=DEV)
+            q = torch.randn((n * seqs, NUM_HEADS, HEAD_DIM), dtype=torch.bfloat16, device=DEV)
+            cuda_ops.PREFILL_ATTENTION = kernel == "prefill_attention.cu"
+            try:
+                t = time_graph(lambda i: cuda_ops.paged_attention(q, kv, batch, scale), calls=5,
+                               reps=10)
+            finally:
+                cuda_ops.PREFILL_ATTENTION = False
+            keys = sum(hist + i + 1 for i in range(n)) * seqs
+            flops = 4 * keys * NUM_HEADS * HEAD_DIM
+            rows.append({"kernel": kernel, "case": case, "kv": name, "seqs": seqs, "new": n,
+                         "history": hist, "us": t * 1e6, "TFLOPs": flops / t / 1e12})
+            print(f"prefill {case:20s} {kernel:22s} {name}: {t * 1e6:9.0f} us "
+                  f"{rows[-1]['TFLOPs']:6.1f} TFLOP/s", flush=True)
+            del kv, batches, q
+            torch.cuda.empty_cache()
     return rows
 
 
@@ -245,10 +259,11 @@ def markdown(info: dict, decode: list[dict], prefill: list[dict], elem: list[dic
                      if (r["batch"], r["context"], r["kv"]) == (b, c, kv)}
             lines.append(f"| {b} x {c} | {kv} | " + " | ".join(
                 f"{cells[s]:.1f}" if s in cells else "" for s in SWEEP_SIZES) + " |")
-    lines += ["", "## Prefill with history (4 seqs x 512 new tokens after 2048, causal)", "",
-              "| KV | time (us) | TFLOP/s |", "| --- | --- | --- |"]
+    lines += ["", "## Prefill attention (causal; one layer, all heads)", "",
+              "| case | kernel | KV | time (us) | TFLOP/s |", "| --- | --- | --- | --- | --- |"]
     for r in prefill:
-        lines.append(f"| {r['kv']} | {r['us']:.0f} | {r['TFLOPs']:.1f} |")
+        lines.append(f"| {r['case']} | {r['kernel']} | {r['kv']} | {r['us']:.0f} | "
+                     f"{r['TFLOPs']:.1f} |")
     lines += ["", "## Element-wise kernels vs the PyTorch reference (bf16, hidden 4096)", "",
               "| kernel | tokens | native (us) | reference (us) | speedup |",
               "| --- | --- | --- | --- | --- |"]

@@ -27,7 +27,7 @@
 // attention_reduce_kernel does it in a second launch. Either way the
 // partitions are combined in index order: the result does not depend on
 // which block finishes last.
-#include "common.cuh"
+#include "mma.cuh"
 
 namespace turbomq {
 namespace cuda {
@@ -86,13 +86,9 @@ __device__ __forceinline__ Tile load_tile(const Params& p, int tile) {
 }
 
 template <typename T>
-struct MmaType;
+struct Int8Widen;
 template <>
-struct MmaType<__half> {
-  __device__ __forceinline__ static std::uint32_t pack(float lo, float hi) {
-    __half2 h = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<std::uint32_t*>(&h);
-  }
+struct Int8Widen<__half> {
   // Four int8 (bytes of w, low first) -> two half2, exactly: 1024 + (x + 128)
   // is built in the mantissa, then 1152 is subtracted.
   __device__ __forceinline__ static void widen_int8(std::uint32_t w, std::uint32_t* out) {
@@ -105,20 +101,9 @@ struct MmaType<__half> {
     out[0] = *reinterpret_cast<std::uint32_t*>(&a);
     out[1] = *reinterpret_cast<std::uint32_t*>(&b);
   }
-  __device__ __forceinline__ static void mma(float* c, const std::uint32_t* a, std::uint32_t b0,
-                                             std::uint32_t b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
 };
 template <>
-struct MmaType<__nv_bfloat16> {
-  __device__ __forceinline__ static std::uint32_t pack(float lo, float hi) {
-    __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<std::uint32_t*>(&h);
-  }
+struct Int8Widen<__nv_bfloat16> {
   // Four int8 -> two bf16x2, exactly: 2^23 + (x + 128) is built in a float's
   // mantissa, the offset subtracted, and the (exact) upper halves kept.
   __device__ __forceinline__ static void widen_int8(std::uint32_t w, std::uint32_t* out) {
@@ -130,13 +115,6 @@ struct MmaType<__nv_bfloat16> {
     }
     out[0] = __byte_perm(__float_as_uint(f[0]), __float_as_uint(f[1]), 0x7632);
     out[1] = __byte_perm(__float_as_uint(f[2]), __float_as_uint(f[3]), 0x7632);
-  }
-  __device__ __forceinline__ static void mma(float* c, const std::uint32_t* a, std::uint32_t b0,
-                                             std::uint32_t b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
   }
 };
 
@@ -153,7 +131,7 @@ __device__ __forceinline__ void widen(const uint4& raw, std::uint32_t* pairs) {
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     if constexpr (kInt8) {
-      MmaType<T>::widen_int8(w[i], pairs + 2 * i);
+      Int8Widen<T>::widen_int8(w[i], pairs + 2 * i);
     } else {
       pairs[i] = w[i];
     }
@@ -352,7 +330,7 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const Params 
         for (int st = 0; st < kPairs / 2; ++st) {
           const std::uint32_t a[4] = {qa[0][j][2 * st], qa[1][j][2 * st], qa[0][j][2 * st + 1],
                                       qa[1][j][2 * st + 1]};
-          MmaType<T>::mma(s[t], a, kb[2 * st], kb[2 * st + 1]);
+          mma_m16n8k16<T>(s[t], a, kb[2 * st], kb[2 * st + 1]);
         }
       }
     }
@@ -405,10 +383,10 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const Params 
 
     // P as the A fragment of a k16 step: tokens 0..7 then 8..15.
     const std::uint32_t pa[4] = {
-        MmaType<T>::pack(s[0][0] * vsc[0][0], s[0][1] * vsc[0][1]),
-        MmaType<T>::pack(s[0][2] * vsc[0][0], s[0][3] * vsc[0][1]),
-        MmaType<T>::pack(s[1][0] * vsc[1][0], s[1][1] * vsc[1][1]),
-        MmaType<T>::pack(s[1][2] * vsc[1][0], s[1][3] * vsc[1][1])};
+        pack_pair<T>(s[0][0] * vsc[0][0], s[0][1] * vsc[0][1]),
+        pack_pair<T>(s[0][2] * vsc[0][0], s[0][3] * vsc[0][1]),
+        pack_pair<T>(s[1][0] * vsc[1][0], s[1][1] * vsc[1][1]),
+        pack_pair<T>(s[1][2] * vsc[1][0], s[1][3] * vsc[1][1])};
 
     // O += P V. Pair i of chunk j, transposed across the 8 lanes of each
     // token, gives lane (g, c) tokens 2c, 2c+1 of dim
@@ -420,7 +398,7 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const Params 
       widen<T, kInt8>(vraw[1][j], v1);
 #pragma unroll
       for (int i = 0; i < kPairs; ++i) {
-        MmaType<T>::mma(acc[j][i], pa, transpose8x8(v0[i]), transpose8x8(v1[i]));
+        mma_m16n8k16<T>(acc[j][i], pa, transpose8x8(v0[i]), transpose8x8(v1[i]));
       }
     }
   }

@@ -20,6 +20,7 @@ void bind_cuda(py::module_& parent) {
       .value("I8", DType::kI8);
   m.attr("ATTENTION_TILE_ROWS") = cuda::kAttentionTileRows;
   m.attr("ATTENTION_PARTITION_ALIGN") = cuda::kAttentionPartitionAlign;
+  m.attr("PREFILL_TILE_ROWS") = cuda::kPrefillTileRows;
   m.attr("GEMV_MAX_ROWS") = cuda::kGemvMaxRows;
   m.attr("GEMV_MAX_FUSED_ROWS") = cuda::kGemvMaxFusedRows;
   m.attr("GEMV_SMEM_BYTES") = cuda::kGemvSmemBytes;
@@ -102,7 +103,7 @@ void bind_cuda(py::module_& parent) {
          std::uintptr_t tiles, int num_tiles, int num_heads, int num_kv_heads, int head_dim,
          int block_size, float scale, int partition_size, int num_parts, std::uintptr_t part_o,
          std::uintptr_t part_ml, DType dtype, DType cache_dtype, std::uintptr_t stream,
-         std::uintptr_t counters) {
+         std::uintptr_t counters, bool prefill) {
         cuda::AttentionArgs a;
         a.out = out;
         a.q = q;
@@ -131,7 +132,11 @@ void bind_cuda(py::module_& parent) {
         a.cache_dtype = cache_dtype;
         a.stream = stream;
         a.counters = counters;
-        cuda::paged_attention(a);
+        if (prefill) {
+          cuda::prefill_attention(a);
+        } else {
+          cuda::paged_attention(a);
+        }
       },
       py::arg("out"), py::arg("q"), py::arg("q_stride_tok"), py::arg("q_stride_head"),
       py::arg("k_cache"), py::arg("v_cache"), py::arg("k_scale"), py::arg("v_scale"),
@@ -139,7 +144,8 @@ void bind_cuda(py::module_& parent) {
       py::arg("context_lens"), py::arg("tiles"), py::arg("num_tiles"), py::arg("num_heads"),
       py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("block_size"), py::arg("scale"),
       py::arg("partition_size"), py::arg("num_parts"), py::arg("part_o"), py::arg("part_ml"),
-      py::arg("dtype"), py::arg("cache_dtype"), py::arg("stream"), py::arg("counters") = 0);
+      py::arg("dtype"), py::arg("cache_dtype"), py::arg("stream"), py::arg("counters") = 0,
+      py::arg("prefill") = false);
 }
 
 }  // namespace turbomq

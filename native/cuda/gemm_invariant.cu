@@ -48,7 +48,7 @@
 // Every element is still the mma sequence over its own x row and w row, the
 // chunks folded in order: only where a w row sits in the tile changes, and
 // an mma's output element does not depend on its position.
-#include "common.cuh"
+#include "mma.cuh"
 
 namespace turbomq {
 namespace cuda {
@@ -80,49 +80,6 @@ struct Shape {
   static_assert(kWarpsM * kWarpsN * 32 == kThreads, "8 warps");
   static_assert(kMi >= 1 && kNj % 2 == 0, "ldmatrix.x4 loads two n8 tiles at once");
 };
-
-template <typename T>
-struct Mma;
-template <>
-struct Mma<__half> {
-  __device__ __forceinline__ static void run(float* c, const std::uint32_t* a,
-                                             const std::uint32_t* b) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-  }
-};
-template <>
-struct Mma<__nv_bfloat16> {
-  __device__ __forceinline__ static void run(float* c, const std::uint32_t* a,
-                                             const std::uint32_t* b) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-  }
-};
-
-// 16 bytes global -> shared, bypassing L1; zero-filled when !ok (rows past M
-// or N, k past K), so every mma sees finite data.
-__device__ __forceinline__ void cp_async16(std::uint32_t dst, const void* src, bool ok) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src),
-               "r"(ok ? 16 : 0)
-               : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() {
-  asm volatile("cp.async.commit_group;" ::: "memory");
-}
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
-__device__ __forceinline__ void ldmatrix_x4(std::uint32_t* r, std::uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
 
 // Byte offset of 16-byte column chunk `c` (0..7) of `row` in a stage: rows of
 // 128 bytes, chunks XOR-swizzled by row % 8 so the 8 rows an ldmatrix phase
@@ -293,7 +250,7 @@ struct Mainloop {
 #pragma unroll
         for (int i = 0; i < S::kMi; ++i)
 #pragma unroll
-          for (int j = 0; j < S::kNj; ++j) Mma<T>::run(acc[i][j], a[i], b[j]);
+          for (int j = 0; j < S::kNj; ++j) mma_m16n8k16<T>(acc[i][j], a[i], b[j][0], b[j][1]);
       }
     }
   }

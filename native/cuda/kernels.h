@@ -179,6 +179,13 @@ struct AttentionArgs {
 };
 void paged_attention(const AttentionArgs& args);
 
+// Prefill (Q of many rows per sequence) over a 16-bit cache, FlashAttention-2
+// style: `tiles` lists (sequence, 64-row tile) pairs, num_tiles of them; no
+// split-K (partition and INT8 fields unused). Same result as paged_attention
+// up to the order of the sums.
+void prefill_attention(const AttentionArgs& args);
+constexpr int kPrefillTileRows = 64;
+
 // Rows of one tile and warps of one attention block (for the caller's sizing).
 constexpr int kAttentionTileRows = 16;
 constexpr int kAttentionPartitionAlign = 64;

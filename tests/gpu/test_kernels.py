@@ -467,6 +467,36 @@ def test_prefill_with_history(group, d, dtype, kv_kind, partition_size, gen):
     check_attention(q, kv, batch, dtype, partition_size)
 
 
+@pytest.mark.parametrize("bs", [16, 64])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_prefill_kernel_with_history(group, d, dtype, bs, gen, monkeypatch):
+    """prefill_attention.cu (forced on whatever the grid): fresh prompts,
+    prompts after a history (Q shorter than K), decode rows beside them, row
+    counts that do not fill the last 64-row tile, 64-key tiles cut short."""
+    monkeypatch.setattr(cuda_ops, "PREFILL_ATTENTION", True)
+    monkeypatch.setattr(cuda_ops, "_sm_count", lambda device: 1)
+    q_lens = [1, 7, 70, 64, 129, 200]
+    hist = [300, 0, 50, 333, 0, 1000]
+    ctx = [n + h for n, h in zip(q_lens, hist)]
+    q, kv, batch = make_attention_case(q_lens, ctx, 2, group, d, bs, dtype, dtype, gen)
+    check_attention(q, kv, batch, dtype)
+
+
+def test_prefill_kernel_long_prompt_and_fallbacks(gen, monkeypatch):
+    """A 4k-token prompt on the prefill kernel; INT8 KV and forced
+    partitions stay on attention.cu (both against the reference)."""
+    monkeypatch.setattr(cuda_ops, "PREFILL_ATTENTION", True)
+    dtype = torch.bfloat16
+    q, kv, batch = make_attention_case([4096], [4096], 8, 4, 128, 64, dtype, dtype, gen)
+    check_attention(q, kv, batch, dtype)
+    q, kv, batch = make_attention_case([300, 100], [400, 100], 8, 4, 128, 64, dtype, torch.int8,
+                                       gen)
+    check_attention(q, kv, batch, dtype)
+    check_attention(q, kv, batch, dtype, partition_size=64)
+
+
 def test_attention_after_write_kv(gen):
     """write_kv then attention through the same pool, int8, as a model step does."""
     dtype, nkv, group, d, bs = torch.bfloat16, 4, 4, 128, 16

@@ -492,6 +492,14 @@ def all_reduce_peer(x: torch.Tensor, buffers: list[int], rank: int, capacity: in
 
 
 # ----------------------------------------------------------- attention
+# Prefill whose 64-row tiles alone fill the GPU (tiles x KV heads >= SMs) and
+# whose longest new-token run is at least PREFILL_MIN_Q_LEN runs
+# native/cuda/prefill_attention.cu (K/V tiles in shared memory, shared by four
+# warps) instead of attention.cu's 16-row tiles; 16-bit KV only. Off until
+# measured on a GPU: TURBOMQ_PREFILL_ATTENTION=1 turns it on.
+PREFILL_ATTENTION = os.environ.get("TURBOMQ_PREFILL_ATTENTION", "0") == "1"
+PREFILL_MIN_Q_LEN = 64
+
 _SM_COUNT: dict[int, int] = {}
 
 
@@ -525,14 +533,15 @@ def _counters(device: torch.device, n: int) -> Optional[torch.Tensor]:
     return buf
 
 
-def _tiles(batch: AttentionBatch, group: int, device: torch.device):
-    """(tile tensor or None, number of tiles); cached on the batch, which every
-    layer of a step shares."""
+def _tiles(batch: AttentionBatch, group: int, device: torch.device, rows: Optional[int] = None):
+    """(tile tensor or None, number of tiles) of `rows` rows each (default:
+    attention.cu's 16); cached on the batch, which every layer of a step
+    shares. None: decode, a tile per sequence."""
+    rows = rows or _k.ATTENTION_TILE_ROWS
     cache = batch.backend_cache.setdefault("cuda_tiles", {})
-    if group in cache:
-        return cache[group]
-    rows = _k.ATTENTION_TILE_ROWS
-    if batch.max_q_len == 1 and group <= rows:
+    if (group, rows) in cache:
+        return cache[group, rows]
+    if batch.max_q_len == 1 and group <= rows == _k.ATTENTION_TILE_ROWS:
         result = (None, batch.num_seqs)
     else:
         q = np.asarray(batch.q_lens_host, dtype=np.int64)
@@ -542,7 +551,7 @@ def _tiles(batch: AttentionBatch, group: int, device: torch.device):
         first = np.repeat(np.cumsum(per_seq) - per_seq, per_seq)
         pairs = np.stack([seq, np.arange(total) - first], axis=1).astype(np.int32)
         result = (to_device(pairs, torch.int32, device), total)
-    cache[group] = result
+    cache[group, rows] = result
     return result
 
 
@@ -589,6 +598,12 @@ def paged_attention(q: torch.Tensor, kv: LayerKV, batch: AttentionBatch, scale: 
     nkv = kv.k.shape[1]
     if q.stride(2) != 1 or not _aligned(q, q.stride(0), q.stride(1)):
         q = q.contiguous()
+    if (PREFILL_ATTENTION and kv.k_scale is None and batch.max_q_len >= PREFILL_MIN_Q_LEN
+            and partition_size is None and not always_combine):
+        tiles, num_tiles = _tiles(batch, nh // nkv, q.device, _k.PREFILL_TILE_ROWS)
+        if num_tiles * nkv >= _sm_count(q.device):  # enough blocks without split-K
+            return _launch_attention(out, q, kv, batch, scale, tiles, num_tiles, 0, 1, (0, 0),
+                                     None, prefill=True)
     tiles, num_tiles = _tiles(batch, nh // nkv, q.device)
     part_size, parts = plan_partitions(num_tiles * nkv, batch.max_context_len,
                                        _sm_count(q.device), partition_size,
@@ -606,6 +621,13 @@ def paged_attention(q: torch.Tensor, kv: LayerKV, batch: AttentionBatch, scale: 
     else:
         part_ptrs = (0, 0)
         counters = None
+    return _launch_attention(out, q, kv, batch, scale, tiles, num_tiles, part_size, parts,
+                             part_ptrs, counters)
+
+
+def _launch_attention(out, q, kv, batch, scale, tiles, num_tiles, part_size, parts, part_ptrs,
+                      counters, prefill: bool = False) -> torch.Tensor:
+    t, nh, d = q.shape
     if out is None:
         out = torch.empty((t, nh, d), dtype=q.dtype, device=q.device)
     tables = batch.block_tables
@@ -618,9 +640,10 @@ def paged_attention(q: torch.Tensor, kv: LayerKV, batch: AttentionBatch, scale: 
             kv.v.data_ptr(), kv.k_scale.data_ptr() if quant else 0,
             kv.v_scale.data_ptr() if quant else 0, tables.data_ptr(), tables.shape[1],
             batch.cu_q_lens.data_ptr(), batch.context_lens.data_ptr(),
-            0 if tiles is None else tiles.data_ptr(), num_tiles, nh, nkv, d, kv.block_size,
-            float(scale), part_size, parts, part_ptrs[0], part_ptrs[1], _DTYPES[q.dtype],
-            _DTYPES[kv.k.dtype], _stream(q), 0 if counters is None else counters.data_ptr())
+            0 if tiles is None else tiles.data_ptr(), num_tiles, nh, kv.k.shape[1], d,
+            kv.block_size, float(scale), part_size, parts, part_ptrs[0], part_ptrs[1],
+            _DTYPES[q.dtype], _DTYPES[kv.k.dtype], _stream(q),
+            0 if counters is None else counters.data_ptr(), prefill)
     return out
 
 

@@ -28,6 +28,7 @@
 // partitions are combined in index order: the result does not depend on
 // which block finishes last.
 #include "mma.cuh"
+#include "paged_batch.cuh"
 
 namespace turbomq {
 namespace cuda {
@@ -37,23 +38,10 @@ constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
 constexpr int kRows = kAttentionTileRows;  // 16: the mma's M
 constexpr int kGroupTokens = 16;           // tokens per warp step: the PV mma's K
-constexpr float kLog2e = 1.4426950408889634f;
 
-struct Params {
-  void* out;
-  const void* q;
-  std::int64_t q_stride_tok, q_stride_head;
-  const void* k_cache;
-  const void* v_cache;
+struct Params : PagedBatch {
   const float* k_scale;
   const float* v_scale;
-  const int* block_tables;
-  int max_blocks;
-  const int* cu_q_lens;
-  const int* context_lens;
-  const int* tiles;
-  int num_heads, num_kv_heads, group, block_shift;
-  float scale_log2;
   int partition_size, num_parts;
   float* part_o;
   float* part_ml;
@@ -512,52 +500,26 @@ void dispatch_head_dim(const Params& p, bool int8, int head_dim, int num_tiles, 
 }  // namespace
 
 void paged_attention(const AttentionArgs& a) {
-  require(a.dtype == DType::kF16 || a.dtype == DType::kBF16,
-          "paged_attention: q must be float16 or bfloat16");
+  Params p{};
+  static_cast<PagedBatch&>(p) = paged_batch(a, "paged_attention");
   const bool int8 = a.cache_dtype == DType::kI8;
   require(int8 || a.cache_dtype == a.dtype, "paged_attention: a 16-bit cache must have q's dtype");
-  require(a.head_dim == 64 || a.head_dim == 128, "paged_attention: head_dim must be 64 or 128");
-  require(a.num_kv_heads > 0 && a.num_heads % a.num_kv_heads == 0,
-          "paged_attention: num_heads must be a multiple of num_kv_heads");
-  require(a.block_size > 0 && (a.block_size & (a.block_size - 1)) == 0,
-          "paged_attention: block_size must be a power of two");
-  require(a.q_stride_tok % 8 == 0 && a.q_stride_head % 8 == 0 && a.q % 16 == 0,
-          "paged_attention: q rows must be 16-byte aligned");
   require(a.num_parts >= 1 && a.partition_size > 0 && a.partition_size % kAttentionPartitionAlign == 0,
           "paged_attention: partition_size must be a positive multiple of 64");
   require(a.num_parts == 1 || (a.part_o != 0 && a.part_ml != 0),
           "paged_attention: split-K needs partial buffers");
-  require(a.tiles != 0 || a.num_heads / a.num_kv_heads <= kRows,
+  require(a.tiles != 0 || p.group <= kRows,
           "paged_attention: more than 16 heads per KV head needs a tile list");
+  require(a.num_parts <= 65535, "paged_attention: grid too large");
   if (a.num_tiles == 0) return;
-  Params p{};
-  p.out = reinterpret_cast<void*>(a.out);
-  p.q = reinterpret_cast<const void*>(a.q);
-  p.q_stride_tok = a.q_stride_tok;
-  p.q_stride_head = a.q_stride_head;
-  p.k_cache = reinterpret_cast<const void*>(a.k_cache);
-  p.v_cache = reinterpret_cast<const void*>(a.v_cache);
   p.k_scale = reinterpret_cast<const float*>(a.k_scale);
   p.v_scale = reinterpret_cast<const float*>(a.v_scale);
-  p.block_tables = reinterpret_cast<const int*>(a.block_tables);
-  p.max_blocks = a.max_blocks;
-  p.cu_q_lens = reinterpret_cast<const int*>(a.cu_q_lens);
-  p.context_lens = reinterpret_cast<const int*>(a.context_lens);
-  p.tiles = reinterpret_cast<const int*>(a.tiles);
-  p.num_heads = a.num_heads;
-  p.num_kv_heads = a.num_kv_heads;
-  p.group = a.num_heads / a.num_kv_heads;
-  int shift = 0;
-  while ((1 << shift) < a.block_size) ++shift;
-  p.block_shift = shift;
-  p.scale_log2 = a.scale * kLog2e;
   p.partition_size = a.partition_size;
   p.num_parts = a.num_parts;
   p.part_o = reinterpret_cast<float*>(a.part_o);
   p.part_ml = reinterpret_cast<float*>(a.part_ml);
   p.counters = a.num_parts > 1 ? reinterpret_cast<int*>(a.counters) : nullptr;
   p.part_rows = static_cast<std::int64_t>(a.num_tiles) * a.num_kv_heads * a.num_parts * kRows;
-  require(a.num_kv_heads <= 65535 && a.num_parts <= 65535, "paged_attention: grid too large");
   cudaStream_t s = as_stream(a.stream);
   if (a.dtype == DType::kF16) {
     dispatch_head_dim<__half>(p, int8, a.head_dim, a.num_tiles, s);

@@ -19,6 +19,7 @@
 // the caller takes it for prefill whose blocks fill the GPU; INT8 KV, decode
 // and short grids stay on attention.cu.
 #include "mma.cuh"
+#include "paged_batch.cuh"
 
 namespace turbomq {
 namespace cuda {
@@ -29,22 +30,9 @@ constexpr int kThreads = kWarps * 32;
 constexpr int kBlockRows = kPrefillTileRows;
 static_assert(kBlockRows == kWarps * 16, "a warp per 16 rows");
 constexpr int kTileKeys = 64;
-constexpr float kLog2e = 1.4426950408889634f;
 
-struct Params {
-  void* out;
-  const void* q;
-  std::int64_t q_stride_tok, q_stride_head;
-  const void* k_cache;
-  const void* v_cache;
-  const int* block_tables;
-  int max_blocks;
-  const int* cu_q_lens;
-  const int* context_lens;
-  const int* tiles;  // [num_tiles, 2]: (sequence, 64-row tile of it)
-  int num_heads, num_kv_heads, group, block_shift;
-  float scale_log2;
-};
+// Every field is the batch's (tiles: (sequence, 64-row tile) pairs).
+using Params = PagedBatch;
 
 // Shared-memory byte offset of chunk c of key row `row` in a [kTileKeys][D] tile.
 template <int D>
@@ -258,38 +246,10 @@ void launch(const Params& p, int num_tiles, cudaStream_t s) {
 }  // namespace
 
 void prefill_attention(const AttentionArgs& a) {
-  require(a.dtype == DType::kF16 || a.dtype == DType::kBF16,
-          "prefill_attention: q must be float16 or bfloat16");
   require(a.cache_dtype == a.dtype, "prefill_attention: the cache must be 16-bit, q's dtype");
-  require(a.head_dim == 64 || a.head_dim == 128, "prefill_attention: head_dim must be 64 or 128");
-  require(a.num_kv_heads > 0 && a.num_heads % a.num_kv_heads == 0,
-          "prefill_attention: num_heads must be a multiple of num_kv_heads");
-  require(a.block_size > 0 && (a.block_size & (a.block_size - 1)) == 0,
-          "prefill_attention: block_size must be a power of two");
-  require(a.q_stride_tok % 8 == 0 && a.q_stride_head % 8 == 0 && a.q % 16 == 0,
-          "prefill_attention: q rows must be 16-byte aligned");
   require(a.tiles != 0, "prefill_attention: takes a tile list");
-  require(a.num_kv_heads <= 65535, "prefill_attention: grid too large");
+  const Params p = paged_batch(a, "prefill_attention");
   if (a.num_tiles == 0) return;
-  Params p{};
-  p.out = reinterpret_cast<void*>(a.out);
-  p.q = reinterpret_cast<const void*>(a.q);
-  p.q_stride_tok = a.q_stride_tok;
-  p.q_stride_head = a.q_stride_head;
-  p.k_cache = reinterpret_cast<const void*>(a.k_cache);
-  p.v_cache = reinterpret_cast<const void*>(a.v_cache);
-  p.block_tables = reinterpret_cast<const int*>(a.block_tables);
-  p.max_blocks = a.max_blocks;
-  p.cu_q_lens = reinterpret_cast<const int*>(a.cu_q_lens);
-  p.context_lens = reinterpret_cast<const int*>(a.context_lens);
-  p.tiles = reinterpret_cast<const int*>(a.tiles);
-  p.num_heads = a.num_heads;
-  p.num_kv_heads = a.num_kv_heads;
-  p.group = a.num_heads / a.num_kv_heads;
-  int shift = 0;
-  while ((1 << shift) < a.block_size) ++shift;
-  p.block_shift = shift;
-  p.scale_log2 = a.scale * kLog2e;
   cudaStream_t s = as_stream(a.stream);
   const bool f16 = a.dtype == DType::kF16;
   if (a.head_dim == 128) {

@@ -2,10 +2,10 @@
 with random bf16 weights (written once as a converted checkpoint: every rank
 loads its slice from it).
 
-Engines one after the other, in one run, all with CUDA graphs: one GPU; two
-GPUs with every all-reduce through NCCL; two GPUs with decode's all-reduces
-through peer memory (the default); and that again with twice the batch,
-which the doubled KV pool holds. Each: decode at batch 1 (prompt 128, 256
+Engines one after the other, in one run, all with CUDA graphs: one GPU (at
+--max-batch-size and twice that); two GPUs with every all-reduce through
+NCCL; two GPUs with decode's all-reduces through peer memory (the default);
+and that again with twice the batch. Each: decode at batch 1 (prompt 128, 256
 new tokens), an offline batch of ShareGPT-like requests, and its KV pool
 size.
 
@@ -33,6 +33,7 @@ from turbomq.worker.model.weights import Checkpoint, save_converted
 
 # (name, engine config, peer all-reduce on, batch multiple of --max-batch-size)
 CASES = [("1 GPU", dict(tensor_parallel=1), True, 1),
+         ("1 GPU, 2x batch", dict(tensor_parallel=1), True, 2),
          ("2 GPUs, NCCL all-reduce", dict(tensor_parallel=2), False, 1),
          ("2 GPUs, peer all-reduce", dict(tensor_parallel=2), True, 1),
          ("2 GPUs, peer all-reduce, 2x batch", dict(tensor_parallel=2), True, 2)]

@@ -22,6 +22,7 @@
 // accumulation is kept that short). The fixed-order sum over warps is scaled
 // by (x scale) * (weight scale) before the same epilogues as the 16-bit
 // GEMV: fp8_linear_reference's numbers, one launch per projection.
+#include <algorithm>
 #include <type_traits>
 
 #include "common.cuh"
@@ -107,6 +108,7 @@ struct GemvArgs {
   const T* norm_w;  // kRmsNorm
   float eps;
   RopeKV rope;  // kRopeKV; y is q [rows, num_heads, d]
+  int tiles_per_block = 1;  // FP8: 16-row tiles per block (set by the launcher)
 };
 
 // Rows j and j + d/2 of one head: the rotation pair p.
@@ -365,44 +367,60 @@ __device__ __forceinline__ void mma_e4m3(float (&d)[4], std::uint32_t a0, std::u
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// A block owns a tile of 16 weight rows: rows g and g + 8 of the mma's A are
-// output columns c0 + g and c0 + 8 + g, or (paired epilogues) the two rows of
-// output column c0 + g. K runs in 64-byte steps, dealt to the W warps in
-// turn. In a step, lane (g, t) loads bytes [16 t, 16 t + 16) of both its rows
-// and of x row g (zero for g >= M): two mmas take bytes 0-7 and 8-15 of each
-// (an mma's K order is a permutation of the bytes, the same for A and B, so
-// the dot products are unchanged). Accumulator element j of lane (g, t) is
-// (row g + 8 (j / 2), x row 2 t + j % 2).
+// A tile is 16 weight rows: rows g and g + 8 of the mma's A are output
+// columns c0 + g and c0 + 8 + g, or (paired epilogues) the two rows of output
+// column c0 + g. A block owns a.tiles_per_block consecutive tiles (one x
+// prologue for all of them: a launch whose tiles outnumber the GPU's block
+// slots takes several per block). K runs in 64-byte steps, dealt to the W
+// warps in turn, tile after tile. In a step, lane (g, t) loads bytes
+// [16 t, 16 t + 16) of both its rows and of x row g (zero for g >= M): two
+// mmas take bytes 0-7 and 8-15 of each (an mma's K order is a permutation
+// of the bytes, the same for A and B, so the dot products are unchanged).
+// Accumulator element j of lane (g, t) is (row g + 8 (j / 2), x row
+// 2 t + j % 2). A tile's sums do not depend on how many share its block.
 template <typename T, int M, int W, Prologue P, Epilogue E>
 __global__ void __launch_bounds__(W * 32) gemv_fp8_kernel(const GemvArgs<T, Fp8> a) {
   static_assert(M <= 8, "x rows are the mma's 8 columns");
   constexpr bool kPaired = E == Epilogue::kSiluMul || E == Epilogue::kRopeKV;
-  constexpr int kCols = kPaired ? 8 : 16;  // output columns per block
+  constexpr int kCols = kPaired ? 8 : 16;  // output columns per tile
   extern __shared__ uint4 xs[];            // [M][K] of T, then [M][K] E4M3 bytes
   __shared__ float partial[W][M];
-  __shared__ float sums[W][32][4];
+  __shared__ float sums[W][32][kGemvFp8MaxTiles * 4];
   launch_dependents();
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int g = lane / 4, t = lane % 4;
-  const int c0 = blockIdx.x * kCols;
+  const int tiles = a.tiles_per_block;
+  const int c_first = blockIdx.x * tiles * kCols;
   const int hd = a.rope.head_dim;
-  const int row_a = weight_row<E>(c0 + g, 0, a.n_out, hd);
-  const int row_b = kPaired ? weight_row<E>(c0 + g, 1, a.n_out, hd)
-                            : weight_row<E>(c0 + 8 + g, 0, a.n_out, hd);
   const int kv = a.k_in / 16;  // 16-byte weight chunks per row
   const int steps = a.k_in / 64;
-  const uint4* wa = reinterpret_cast<const uint4*>(a.w) + static_cast<std::int64_t>(row_a) * kv + t;
-  const uint4* wb = reinterpret_cast<const uint4*>(a.w) + static_cast<std::int64_t>(row_b) * kv + t;
+  // This warp's steps of each tile: warp, warp + W, ...
+  const int my_steps = steps > warp ? (steps - warp + W - 1) / W : 0;
+  const int total = tiles * my_steps;
+  // Weight rows of tile tt (clamped into range; columns past n_out are not written).
+  auto rows_of = [&](int tt, int& ra, int& rb) {
+    const int c0 = c_first + tt * kCols;
+    ra = weight_row<E>(c0 + g, 0, a.n_out, hd);
+    rb = kPaired ? weight_row<E>(c0 + g, 1, a.n_out, hd) : weight_row<E>(c0 + 8 + g, 0, a.n_out, hd);
+  };
+  const uint4* w = reinterpret_cast<const uint4*>(a.w) + t;
   uint4 va[kFp8Steps], vb[kFp8Steps];
   auto load = [&](int first) {
 #pragma unroll
     for (int u = 0; u < kFp8Steps; ++u) {
-      const int s = first + W * u;
-      va[u] = s < steps ? load_stream(wa + 4 * s) : make_uint4(0, 0, 0, 0);
-      vb[u] = s < steps ? load_stream(wb + 4 * s) : make_uint4(0, 0, 0, 0);
+      const int i = first + u;
+      if (i < total) {
+        const int tt = i / my_steps, s = warp + W * (i - tt * my_steps);
+        int ra, rb;
+        rows_of(tt, ra, rb);
+        va[u] = load_stream(w + static_cast<std::int64_t>(ra) * kv + 4 * s);
+        vb[u] = load_stream(w + static_cast<std::int64_t>(rb) * kv + 4 * s);
+      } else {
+        va[u] = vb[u] = make_uint4(0, 0, 0, 0);
+      }
     }
   };
-  int first = warp;
+  int first = 0;
   load(first);  // independent of the previous kernel
 
   grid_dependency_wait();
@@ -412,46 +430,63 @@ __global__ void __launch_bounds__(W * 32) gemv_fp8_kernel(const GemvArgs<T, Fp8>
   quantize_staged<T, M, W>(xs, xq8, a.k_in, partial, sx);
   const uint4* xq = reinterpret_cast<const uint4*>(xq8) + g * kv + t;
 
-  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-  while (true) {
+  float acc[kGemvFp8MaxTiles][4];
+#pragma unroll
+  for (int k = 0; k < kGemvFp8MaxTiles; ++k)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) acc[k][j] = 0.0f;
+  while (first < total) {
 #pragma unroll
     for (int u = 0; u < kFp8Steps; ++u) {
-      const int s = first + W * u;
-      if (s < steps) {  // the same for the whole warp
+      const int i = first + u;
+      if (i < total) {  // the same for the whole warp
+        const int tt = i / my_steps, s = warp + W * (i - tt * my_steps);
         const uint4 b = g < M ? xq[4 * s] : make_uint4(0, 0, 0, 0);
         float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
         mma_e4m3(d, va[u].x, vb[u].x, va[u].y, vb[u].y, b.x, b.y);
         mma_e4m3(d, va[u].z, vb[u].z, va[u].w, vb[u].w, b.z, b.w);
 #pragma unroll
-        for (int j = 0; j < 4; ++j) acc[j] += d[j];
+        for (int k = 0; k < kGemvFp8MaxTiles; ++k)  // registers: no dynamic index
+          if (k == tt) {
+#pragma unroll
+            for (int j = 0; j < 4; ++j) acc[k][j] += d[j];
+          }
       }
     }
-    first += W * kFp8Steps;
-    if (first >= steps) break;
-    load(first);
+    first += kFp8Steps;
+    if (first < total) load(first);
   }
 #pragma unroll
-  for (int j = 0; j < 4; ++j) sums[warp][lane][j] = acc[j];
+  for (int k = 0; k < kGemvFp8MaxTiles; ++k)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) sums[warp][lane][4 * k + j] = acc[k][j];
   __syncthreads();
   if (warp != 0) return;
 #pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    float v = 0.0f;
+  for (int k = 0; k < kGemvFp8MaxTiles; ++k) {
+    if (k >= tiles) break;
+    const int c0 = c_first + k * kCols;
+    int ra, rb;
+    rows_of(k, ra, rb);
+    float v[4];
 #pragma unroll
-    for (int w = 0; w < W; ++w) v += sums[w][lane][j];
-    acc[j] = v;
-  }
-  const float wsa = __ldg(a.w_scale + row_a), wsb = __ldg(a.w_scale + row_b);
+    for (int j = 0; j < 4; ++j) {
+      v[j] = 0.0f;
 #pragma unroll
-  for (int j = 0; j < 2; ++j) {
-    const int m = 2 * t + j;
-    if (m >= M) continue;
-    const float lo = acc[j] * sx[m] * wsa, hi = acc[2 + j] * sx[m] * wsb;  // as the reference
-    if constexpr (kPaired) {
-      if (c0 + g < a.n_out) store_output<T, Fp8, E>(a, m, c0 + g, lo, hi);
-    } else {
-      if (c0 + g < a.n_out) store_output<T, Fp8, E>(a, m, c0 + g, lo, 0.0f);
-      if (c0 + 8 + g < a.n_out) store_output<T, Fp8, E>(a, m, c0 + 8 + g, hi, 0.0f);
+      for (int w8 = 0; w8 < W; ++w8) v[j] += sums[w8][lane][4 * k + j];
+    }
+    const float wsa = __ldg(a.w_scale + ra), wsb = __ldg(a.w_scale + rb);
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int m = 2 * t + j;
+      if (m >= M) continue;
+      const float lo = v[j] * sx[m] * wsa, hi = v[2 + j] * sx[m] * wsb;  // as the reference
+      if constexpr (kPaired) {
+        if (c0 + g < a.n_out) store_output<T, Fp8, E>(a, m, c0 + g, lo, hi);
+      } else {
+        if (c0 + g < a.n_out) store_output<T, Fp8, E>(a, m, c0 + g, lo, 0.0f);
+        if (c0 + 8 + g < a.n_out) store_output<T, Fp8, E>(a, m, c0 + 8 + g, hi, 0.0f);
+      }
     }
   }
 }
@@ -497,12 +532,38 @@ void launch_gemv_x(const GemvArgs<T, T>& a, cudaStream_t s) {
          kGemvSmemBytes, opted_in, s, "gemv_kernel");
 }
 
+int g_fp8_gemv_max_tiles = 1;
+
+// Tiles per block: as few as keep the grid within one wave of resident
+// blocks (every block pays the x prologue once), at most
+// g_fp8_gemv_max_tiles.
+template <typename K>
+int fp8_tiles_per_block(K kernel, int tiles, int threads, std::size_t smem) {
+  if (g_fp8_gemv_max_tiles <= 1) return 1;
+  int device = 0, sms = 0, per_sm = 0;
+  check_cuda(cudaGetDevice(&device), "gemv: device");
+  check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "gemv: SMs");
+  check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem),
+             "gemv: occupancy");
+  const int slots = std::max(1, sms * per_sm);
+  return std::min(g_fp8_gemv_max_tiles, std::max(1, (tiles + slots - 1) / slots));
+}
+
 template <typename T, int M, int W, Prologue P, Epilogue E>
-void launch_gemv_fp8_w(const GemvArgs<T, Fp8>& a, cudaStream_t s) {
+void launch_gemv_fp8_w(GemvArgs<T, Fp8> a, cudaStream_t s) {
   constexpr int kCols = (E == Epilogue::kSiluMul || E == Epilogue::kRopeKV) ? 8 : 16;
   static bool opted_in = false;
+  auto kernel = gemv_fp8_kernel<T, M, W, P, E>;
   const std::size_t smem = static_cast<std::size_t>(M) * a.k_in * (sizeof(T) + 1);
-  launch(gemv_fp8_kernel<T, M, W, P, E>, a, (a.n_out + kCols - 1) / kCols, W * 32, smem,
+  const int tiles = (a.n_out + kCols - 1) / kCols;
+  if (!opted_in) {  // the occupancy query below needs the opt-in first
+    check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    kGemvFp8SmemBytes),
+               "gemv: shared memory opt-in");
+    opted_in = true;
+  }
+  a.tiles_per_block = fp8_tiles_per_block(kernel, tiles, W * 32, smem);
+  launch(kernel, a, (tiles + a.tiles_per_block - 1) / a.tiles_per_block, W * 32, smem,
          kGemvFp8SmemBytes, opted_in, s, "gemv_fp8_kernel");
 }
 
@@ -574,6 +635,10 @@ void dispatch_gemv(const GemvArgs<T, TW>& a, int m, bool norm, GemvEpilogue epil
 }  // namespace
 
 void set_programmatic_launch(bool on) { g_programmatic_launch = on; }
+void set_fp8_gemv_max_tiles(int tiles) {
+  require(tiles >= 1 && tiles <= kGemvFp8MaxTiles, "gemv: FP8 tiles per block must be 1..4");
+  g_fp8_gemv_max_tiles = tiles;
+}
 bool programmatic_launch() { return g_programmatic_launch; }
 
 namespace {

@@ -80,6 +80,10 @@ constexpr int kGemvMaxRows = 8;
 constexpr int kGemvMaxFusedRows = 4;  // with a norm or a non-store epilogue
 constexpr int kGemvSmemBytes = 64 * 1024;  // x staged in shared memory up to this size
 constexpr int kGemvFp8SmemBytes = 192 * 1024;  // FP8: x and its E4M3 copy
+// FP8: at most this many 16-row tiles per block (1: a block per tile, the
+// default), so that one x prologue serves more weights; see gemv.cu.
+constexpr int kGemvFp8MaxTiles = 4;
+void set_fp8_gemv_max_tiles(int tiles);
 enum class GemvEpilogue : int { kStore = 0, kAddInto = 1, kSiluMul = 2 };
 void set_programmatic_launch(bool on);
 bool programmatic_launch();

@@ -91,6 +91,36 @@ def test_fp8_gemv_equals_the_reference_product(rows, n, k, dtype):
                                atol=1e-4 * want.abs().max().item())
 
 
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("mode", ["store", "silu", "residual"])
+def test_fp8_gemv_tiles_per_block_change_no_bit(rows, mode):
+    """Several 16-row tiles per block (one x prologue for all) give the bits
+    of a block per tile: Llama-3-8B's gate/up (1,792 tiles, more than a
+    wave of blocks) and o projections."""
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    k = 4096
+    n = {"store": 4096, "silu": 2 * 14336, "residual": 4096}[mode]
+    x = torch.randn(rows, k, generator=g, device="cuda", dtype=torch.bfloat16)
+    w = quantize_weight(torch.randn(n, k, generator=g, device="cuda") * 0.02)
+    norm = (torch.rand(k, generator=g, device="cuda", dtype=torch.bfloat16) + 0.5, 1e-5)
+    res = torch.randn(rows, n // 2 if mode == "silu" else n, generator=g, device="cuda",
+                      dtype=torch.bfloat16)
+    outs = []
+    try:
+        for tiles in (1, 4):
+            cuda_ops._k.set_fp8_gemv_max_tiles(tiles)
+            kw = {"store": dict(norm=norm), "silu": dict(norm=norm, silu=True),
+                  "residual": dict(residual=res.clone())}[mode]
+            outs.append(cuda_ops.linear(x, w, **kw))
+    finally:
+        cuda_ops._k.set_fp8_gemv_max_tiles(cuda_ops.FP8_GEMV_MAX_TILES)
+    assert torch.equal(outs[0], outs[1])
+    want = _exact_fp8_product(cuda_ops.rms_norm(x, *norm) if mode != "residual" else x, w)
+    if mode == "store":
+        torch.testing.assert_close(outs[0].double(), want.to(x.dtype).double(), rtol=2 ** -7,
+                                   atol=1e-4 * want.abs().max().item())
+
+
 @pytest.mark.parametrize("rows", [1, 4])
 @pytest.mark.parametrize("mode", ["norm", "silu", "residual"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

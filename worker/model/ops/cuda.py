@@ -80,6 +80,10 @@ FUSED_GEMV_MAX_ROWS = 1
 # TURBOMQ_FP8_GEMV_MAX_ROWS overrides (0: never).
 _FP8_GEMM = hasattr(torch, "_scaled_mm")
 FP8_GEMV_MAX_ROWS = int(os.environ.get("TURBOMQ_FP8_GEMV_MAX_ROWS", "4"))
+# Up to this many 16-row weight tiles per FP8 GEMV block (one x prologue for
+# all of them) where the tiles outnumber the GPU's block slots; 1 until
+# measured on a GPU (TURBOMQ_FP8_GEMV_MAX_TILES=4 to try).
+FP8_GEMV_MAX_TILES = int(os.environ.get("TURBOMQ_FP8_GEMV_MAX_TILES", "1"))
 
 
 def unavailable_reason() -> Optional[str]:
@@ -100,6 +104,7 @@ def available() -> bool:
 if _k is not None:
     # Programmatic dependent launch of the GEMV (TURBOMQ_PDL=0 turns it off).
     _k.set_programmatic_launch(os.environ.get("TURBOMQ_PDL", "1") != "0")
+    _k.set_fp8_gemv_max_tiles(FP8_GEMV_MAX_TILES)
     _DTYPES = {torch.float16: _k.DType.F16, torch.bfloat16: _k.DType.BF16,
                torch.int8: _k.DType.I8, torch.float32: _k.DType.F32}
 else:

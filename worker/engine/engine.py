@@ -484,7 +484,7 @@ class Engine:
         drained = self._drain_inbox()
         self._land_loads()
         prev = self._launched
-        if prev is not None and not self._overlaps():
+        if prev is not None and not self.config.overlap_steps:
             self._settle()
             prev = None
         if not self.scheduler.has_work():
@@ -523,7 +523,8 @@ class Engine:
             self.scheduler.commit(plan)
         if prev is not None:
             self._deliver(prev)
-        if self._launched is not None and not self._launched.graphed and not self._overlaps():
+        if (self._launched is not None and not self._launched.graphed
+                and not self.config.overlap_steps):
             self._settle()
         self.counters["steps"] += 1
         self._observe(plan, time.perf_counter() - start)
@@ -547,17 +548,12 @@ class Engine:
             if any(seq.loading is None for seq in seqs):
                 ticket.order()
 
-    def _overlaps(self) -> bool:
-        """Whether steps may launch before the previous step's tokens are
-        read (every rank holds them on its device)."""
-        return self.config.overlap_steps
-
     def _runs_ahead(self, plan: StepPlan) -> bool:
         """Whether `plan` may launch before the previous step's tokens are
         read: one whose sampling needs no token history (a decode row reads
         its input token on the device, whether a graph or the eager forward
         runs the step)."""
-        return self._overlaps() and all(i.seq.params.repetition_penalty == 1.0
+        return self.config.overlap_steps and all(i.seq.params.repetition_penalty == 1.0
                                         for i in plan.scheduled)
 
     def _graphed(self, plan: StepPlan) -> bool:

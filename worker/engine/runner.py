@@ -303,14 +303,12 @@ class ModelRunner:
         if step.sampled:
             tokens = torch.empty(step.sampled, dtype=torch.long, device=self.device)
             self.tp.broadcast(tokens)
-            self._keep_sampled(tokens, broadcast=False)
+            self._keep_sampled(tokens)
 
-    def _keep_sampled(self, tokens: torch.Tensor, broadcast: bool = True) -> None:
+    def _keep_sampled(self, tokens: torch.Tensor) -> None:
         """The step's sampled tokens stay on the device for the next step (and
-        where a decode graph reads them); rank 0 sends them to the other
-        ranks, so no rank waits for the host to hand them back."""
-        if self.tp is not None and broadcast:
-            self.tp.broadcast(tokens)
+        where a decode graph reads them), on every rank: no rank waits for
+        the host to hand them back."""
         self._last_sampled = tokens
         if self.graphs is not None:
             self.graphs.prev_tokens[:len(tokens)].copy_(tokens)
@@ -323,6 +321,8 @@ class ModelRunner:
         if not rows:
             return SampledTokens(torch.empty(0, dtype=torch.long), None)
         tokens = sample(logits, params, rngs, histories)
+        if self.tp is not None:  # the other ranks receive them in follow()
+            self.tp.broadcast(tokens)
         self._keep_sampled(tokens)
         if self.device.type != "cuda":
             return SampledTokens(tokens, None)

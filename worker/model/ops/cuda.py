@@ -546,7 +546,7 @@ def _tiles(batch: AttentionBatch, group: int, device: torch.device, rows: Option
     cache = batch.backend_cache.setdefault("cuda_tiles", {})
     if (group, rows) in cache:
         return cache[group, rows]
-    if batch.max_q_len == 1 and group <= rows == _k.ATTENTION_TILE_ROWS:
+    if rows == _k.ATTENTION_TILE_ROWS and batch.max_q_len == 1 and group <= rows:
         result = (None, batch.num_seqs)
     else:
         q = np.asarray(batch.q_lens_host, dtype=np.int64)

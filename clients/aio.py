@@ -19,6 +19,22 @@ from .resume import DEADLINE_GRACE_S, BrokerWatch, InFlight
 from .types import Delta, Final, Result
 
 _PING = P.pack(P.ping())
+_TIMED_OUT = object()
+
+
+async def _get_until(q: asyncio.Queue, deadline: float) -> Any:
+    """The queue's next item, or _TIMED_OUT at `deadline`. Unlike
+    asyncio.wait_for before Python 3.12, a cancellation that races the
+    item's arrival is never swallowed: the caller is cancelled, always (a
+    swallowed cancel kept the gateway's health task, and so the gateway,
+    alive after SIGTERM)."""
+    getter = asyncio.ensure_future(q.get())
+    try:
+        await asyncio.wait((getter,), timeout=max(deadline - time.monotonic(), 0.0))
+    finally:
+        if not getter.done():
+            getter.cancel()
+    return getter.result() if getter.done() and not getter.cancelled() else _TIMED_OUT
 
 
 class AsyncClient:
@@ -172,12 +188,9 @@ class AsyncClient:
         if not q.empty():  # already here: no timer, no task (the common case under load)
             msg = q.get_nowait()
         else:
-            remaining = deadline - time.monotonic()
-            try:
-                msg = await asyncio.wait_for(q.get(), max(remaining, 0.0))
-            except asyncio.TimeoutError:
-                raise Timeout(P.Code.TIMEOUT, "no reply from the broker in time", True,
-                              rid) from None
+            msg = await _get_until(q, deadline)
+            if msg is _TIMED_OUT:
+                raise Timeout(P.Code.TIMEOUT, "no reply from the broker in time", True, rid)
         if msg is None:
             raise ServerError(P.Code.INTERNAL, f"client reader failed: {self._reader_error!r}")
         return msg

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 import zmq
@@ -106,6 +107,24 @@ def test_async_client_concurrent_requests(svc):
                 c.generate(input_ids=[1], temperature=-1)
             async with c.session(max_tokens=1) as chat:
                 assert (await chat.send([4])).token_ids == [4]
+    asyncio.run(main())
+
+
+def test_async_cancel_racing_a_reply_is_never_swallowed():
+    """A request cancelled in the very step its reply lands is cancelled: a
+    swallowed cancel (asyncio.wait_for before 3.12) once kept the gateway's
+    health loop, and so the gateway, running after SIGTERM."""
+    async def main():
+        async with AsyncClient("tcp://127.0.0.1:9", timeout=5) as c:
+            q: asyncio.Queue = asyncio.Queue()
+            waiting = asyncio.ensure_future(c._next("r", q, time.monotonic() + 5))
+            await asyncio.sleep(0)  # it waits on the queue now
+            q.put_nowait({"kind": "health"})
+            waiting.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await waiting
+            with pytest.raises(Timeout):  # and a deadline still ends the wait
+                await c._next("r", asyncio.Queue(), time.monotonic() + 0.05)
     asyncio.run(main())
 
 

@@ -8,6 +8,8 @@ Figures, per mode:
   tokens the first difference;
 - batch-1 decode tok/s (128-token prompt, 256 generated);
 - offline ShareGPT-like throughput (N requests, all submitted at once).
+Deterministic mode runs twice: its GEMM's chunk sums on mma.sync (the
+default) and on wgmma (TURBOMQ_INVARIANT_WGMMA=1).
 
     python benchmarks/gpu_determinism.py --out DIR [--requests 1000]
 
@@ -29,6 +31,10 @@ from gpu_engine import (GREEDY, LLAMA3_8B, ab_arguments, ab_engine, ab_speed_row
 
 from turbomq.worker import Engine, SamplingParams  # noqa: E402
 from turbomq.worker.model.llama import LlamaModel  # noqa: E402
+from turbomq.worker.model.ops import cuda as cuda_ops  # noqa: E402
+
+MODES = (("default", False, False), ("deterministic", True, False),
+         ("deterministic_wgmma", True, True))
 
 
 def invariance(engine: Engine, probes: list[list[int]], fillers: list[list[int]]) -> dict:
@@ -54,7 +60,8 @@ def main() -> None:
     work = sharegpt_like(args.requests)
     results = {"device": torch.cuda.get_device_name(), "requests": args.requests,
                "ceilings": ceilings(), "modes": {}}
-    for name, deterministic in (("default", False), ("deterministic", True)):
+    for name, deterministic, wgmma in MODES:
+        cuda_ops._k.set_gemm_invariant_wgmma(wgmma)  # before the graphs are captured
         model = LlamaModel(cfg, tensors, "cuda", torch.bfloat16, deterministic=deterministic)
         engine = ab_engine(model, args.max_batch_size, deterministic=deterministic)
         r = {"invariance": invariance(engine, probes, fillers)}
@@ -62,6 +69,7 @@ def main() -> None:
         r.update(speeds(engine, cfg, results["ceilings"], work if args.requests else [], name))
         results["modes"][name] = r
         engine.close()
+        cuda_ops._k.set_gemm_invariant_wgmma(cuda_ops.INVARIANT_WGMMA)
         del engine, model
         gc.collect()
         torch.cuda.empty_cache()
@@ -71,19 +79,29 @@ def main() -> None:
 
 def write_report(args, results: dict) -> None:
     d, x = results["modes"]["default"], results["modes"]["deterministic"]
+    w = results["modes"]["deterministic_wgmma"]
     lines = [
         "# Deterministic mode against the default",
         "",
         f"{results['device']}; Llama-3-8B shape, random bf16 weights, bf16 KV, greedy; the same "
         "weights behind both engines, one run: `python benchmarks/gpu_determinism.py --out DIR`.",
         "",
+        "Deterministic mode with its GEMM on `mma.sync` (the default):",
+        "",
         "| figure | default | deterministic | deterministic / default |",
         "| --- | ---: | ---: | ---: |",
     ]
     inv_d, inv_x = d["invariance"], x["invariance"]
-    lines.append(f"| prompts whose tokens change inside a batch of {inv_d['batch']} (of "
-                 f"{inv_d['probes']}, 64 tokens) | {inv_d['differ']} | {inv_x['differ']} | |")
+    changed = (f"| prompts whose tokens change inside a batch of {inv_d['batch']} (of "
+               f"{inv_d['probes']}, 64 tokens) | {inv_d['differ']} |")
+    lines.append(f"{changed} {inv_x['differ']} | |")
     lines += ab_speed_rows(d, x, args.requests)
+    lines += ["", "Deterministic mode with its GEMM on `wgmma` (`TURBOMQ_INVARIANT_WGMMA=1`), "
+              "same run:", "",
+              "| figure | default | deterministic (wgmma) | deterministic (wgmma) / default |",
+              "| --- | ---: | ---: | ---: |",
+              f"{changed} {w['invariance']['differ']} | |"]
+    lines += ab_speed_rows(d, w, args.requests)
     lines += ["", f"Default mode: the first difference came after {inv_d['first_difference_at']} "
               "tokens. Targets: deterministic offline >= 0.95x and batch-1 decode >= 0.97x of "
               "the default."]

@@ -8,7 +8,9 @@ o 4096 x 4096, gate_up 28672 x 4096, down 4096 x 14336), bf16, for M = 1 to
 chunk sums are extra traffic, not counted) and the ratio to cuBLAS. Both
 launch shapes are timed where they fit (split: up to 512 rows), so the
 split/tiled switch (cuda.INVARIANT_SPLIT_MAX_ROWS) can be checked, and the
-native GEMV (the non-invariant decode path) up to 8 rows.
+native GEMV (the non-invariant decode path) up to 8 rows. Every
+linear_invariant figure is taken twice: chunk sums on mma.sync (the default)
+and on wgmma (TURBOMQ_INVARIANT_WGMMA=1), in the same run.
 
 Timing: CUDA graphs of many calls (launch gaps out of the numbers), CUDA
 events, median of replays (gpu_kernels.time_graph). Weights rotate through
@@ -71,11 +73,18 @@ def bench_shape(name: str, n: int, k: int, rows_list: list[int]) -> list[dict]:
         r = {"name": name, "n": n, "k": k, "m": m, "copies": copies,
              "path": "split" if auto_split else "tiled"}
         r["cublas_us"] = timed(F.linear) * 1e6
-        r["tiled_us"] = timed(lambda a, b: cuda_ops.linear_invariant(a, b, path="tiled")) * 1e6
-        r["split_us"] = None
-        if m <= SPLIT_MAX_ROWS:
-            r["split_us"] = timed(lambda a, b: cuda_ops.linear_invariant(a, b, path="split")) * 1e6
-        r["us"] = r["split_us"] if auto_split else r["tiled_us"]
+        for kind, prefix in ((False, ""), (True, "wg_")):
+            cuda_ops._k.set_gemm_invariant_wgmma(kind)
+            r[prefix + "tiled_us"] = timed(
+                lambda a, b: cuda_ops.linear_invariant(a, b, path="tiled")) * 1e6
+            r[prefix + "split_us"] = None
+            if m <= SPLIT_MAX_ROWS:
+                r[prefix + "split_us"] = timed(
+                    lambda a, b: cuda_ops.linear_invariant(a, b, path="split")) * 1e6
+            r[prefix + "us"] = r[prefix + "split_us"] if auto_split else r[prefix + "tiled_us"]
+        cuda_ops._k.set_gemm_invariant_wgmma(cuda_ops.INVARIANT_WGMMA)
+        r["wg_TFLOPs"] = 2 * m * n * k / (r["wg_us"] / 1e6) / 1e12
+        r["wg_vs_cublas"] = r["cublas_us"] / r["wg_us"]
         r["gemv_us"] = None
         if m <= GEMV_MAX_ROWS:
             r["gemv_us"] = timed(lambda a, b: cuda_ops.linear(a, b, native=True)) * 1e6
@@ -87,10 +96,12 @@ def bench_shape(name: str, n: int, k: int, rows_list: list[int]) -> list[dict]:
         out.append(r)
         extra = f"  gemv {r['gemv_us']:8.1f} us" if r["gemv_us"] else ""
         split = f"{r['split_us']:8.1f}" if r["split_us"] else "       -"
+        wg_split = f"{r['wg_split_us']:8.1f}" if r["wg_split_us"] else "       -"
         print(f"{name:8s} {n:5d}x{k:5d} M={m:5d}: {r['path']:5s} {r['us']:8.1f} us "
               f"{r['TFLOPs']:6.1f} TFLOP/s {r['GBps']:6.0f} GB/s | cuBLAS {r['cublas_us']:8.1f} us "
-              f"(x{r['vs_cublas']:.2f}) | tiled {r['tiled_us']:8.1f} split {split}{extra}",
-              flush=True)
+              f"(x{r['vs_cublas']:.2f}) | tiled {r['tiled_us']:8.1f} split {split}{extra} | "
+              f"wgmma {r['wg_us']:8.1f} us {r['wg_TFLOPs']:6.1f} TFLOP/s (x{r['wg_vs_cublas']:.2f}) "
+              f"tiled {r['wg_tiled_us']:8.1f} split {wg_split}", flush=True)
         del x
         torch.cuda.empty_cache()
     del ws
@@ -108,19 +119,26 @@ def markdown(info: dict, rows: list[dict]) -> str:
         "cuBLAS (`F.linear`). GB/s counts weights + x + y. `vs cuBLAS` > 1 means faster than "
         "cuBLAS. Both launch shapes give the same bits; `path` is the one `linear_invariant` "
         f"picks (split up to {info['split_max_rows']} rows, or while the tiled grid would leave "
-        "SMs idle, if the chunk sums fit in 64 MiB).", ""]
+        "SMs idle, if the chunk sums fit in 64 MiB). The first columns run the chunk sums on "
+        "`mma.sync` (the default), the `wgmma` columns on Hopper's `wgmma` "
+        "(`TURBOMQ_INVARIANT_WGMMA=1`), same inputs, same run.", ""]
     for name in dict.fromkeys(r["name"] for r in rows):
         sel = [r for r in rows if r["name"] == name]
         lines += [f"## {name} ({sel[0]['n']} x {sel[0]['k']})", "",
                   "| M | path | time (us) | TFLOP/s | GB/s | cuBLAS (us) | vs cuBLAS | tiled (us) "
-                  "| split (us) | GEMV (us) |",
-                  "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+                  "| split (us) | GEMV (us) | wgmma (us) | wgmma TFLOP/s | wgmma vs cuBLAS "
+                  "| wgmma tiled (us) | wgmma split (us) |",
+                  "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+                  "| ---: | ---: | ---: | ---: | ---: |"]
         for r in sel:
             split = f"{r['split_us']:.1f}" if r["split_us"] else ""
+            wg_split = f"{r['wg_split_us']:.1f}" if r["wg_split_us"] else ""
             gemv = f"{r['gemv_us']:.1f}" if r["gemv_us"] else ""
             lines.append(f"| {r['m']} | {r['path']} | {r['us']:.1f} | {r['TFLOPs']:.1f} | "
                          f"{r['GBps']:.0f} | {r['cublas_us']:.1f} | {r['vs_cublas']:.2f} | "
-                         f"{r['tiled_us']:.1f} | {split} | {gemv} |")
+                         f"{r['tiled_us']:.1f} | {split} | {gemv} | {r['wg_us']:.1f} | "
+                         f"{r['wg_TFLOPs']:.1f} | {r['wg_vs_cublas']:.2f} | "
+                         f"{r['wg_tiled_us']:.1f} | {wg_split} |")
         lines.append("")
     return "\n".join(lines)
 

@@ -160,24 +160,27 @@ PREFILL_CASES = [("4 x 512 after 2048", 512, 2048, 4), ("8k causal", 8192, 0, 1)
 def bench_prefill() -> list[dict]:
     """Causal prefill attention: 4 sequences x 512 new tokens after 2048 of
     history, and fresh 8k and 16k prompts; attention.cu (bf16 and INT8 KV)
-    against prefill_attention.cu (bf16 KV), side by side."""
+    against prefill_attention.cu (bf16 KV; mma.sync and wgmma), side by side."""
     rows = []
     scale = HEAD_DIM ** -0.5
     for case, n, hist, seqs in PREFILL_CASES:
         for kernel, name, kv_dtype in (("attention.cu", "bf16", torch.bfloat16),
                                        ("attention.cu", "int8", torch.int8),
-                                       ("prefill_attention.cu", "bf16", torch.bfloat16)):
+                                       ("prefill_attention.cu", "bf16", torch.bfloat16),
+                                       ("prefill_attention.cu wgmma", "bf16", torch.bfloat16)):
             ctx = n + hist
             kv, batches = make_pools(seqs, ctx, kv_dtype, 1)
             tables = batches[0].block_tables.cpu().numpy()
             batch = AttentionBatch.build([n] * seqs, [ctx] * seqs, tables, BLOCK, device=DEV)
             q = torch.randn((n * seqs, NUM_HEADS, HEAD_DIM), dtype=torch.bfloat16, device=DEV)
-            cuda_ops.PREFILL_ATTENTION = kernel == "prefill_attention.cu"
+            cuda_ops.PREFILL_ATTENTION = kernel.startswith("prefill_attention.cu")
+            cuda_ops._k.set_prefill_attention_wgmma(kernel.endswith("wgmma"))
             try:
                 t = time_graph(lambda i: cuda_ops.paged_attention(q, kv, batch, scale), calls=5,
                                reps=10)
             finally:
                 cuda_ops.PREFILL_ATTENTION = False
+                cuda_ops._k.set_prefill_attention_wgmma(cuda_ops.PREFILL_WGMMA)
             keys = sum(hist + i + 1 for i in range(n)) * seqs
             flops = 4 * keys * NUM_HEADS * HEAD_DIM
             rows.append({"kernel": kernel, "case": case, "kv": name, "seqs": seqs, "new": n,

@@ -29,6 +29,13 @@
 // bit, and the folds add the same operands in the same order. The host picks
 // the shape (any M works with either); the tests check the two agree.
 //
+// The MMA itself is mma.sync m16n8k16 by default, or on Hopper wgmma m64nNk16
+// (set_gemm_invariant_wgmma): the same k16 steps in the same order, each a
+// warpgroup's 64 rows at once, read straight from the swizzled stages (no
+// ldmatrix), with one k tile's MMAs in flight while the next are issued. A
+// process runs one kind for both shapes (their chunk sums must agree); the
+// two kinds need not give each other's bits.
+//
 // Optional fused residual add: with a residual [M, N], the store of every
 // shape (the tiled epilogue, the fold of either kind) writes
 // y = T(float(residual) + float(T(total))) instead of T(total): the output
@@ -49,6 +56,7 @@
 // chunks folded in order: only where a w row sits in the tile changes, and
 // an mma's output element does not depend on its position.
 #include "mma.cuh"
+#include "wgmma.cuh"
 
 namespace turbomq {
 namespace cuda {
@@ -56,7 +64,6 @@ namespace {
 
 constexpr int kChunk = kGemmInvariantChunk;
 constexpr int kBK = 64;      // k per pipeline stage: a 128-byte shared-memory row
-constexpr int kStages = 4;   // k tiles in flight per block
 constexpr int kNT = kGemmInvariantTile;  // output columns per block
 constexpr int kThreads = 256;
 constexpr int kGroupM = 8;   // tiled: row tiles per raster group (L2 reuse of w)
@@ -64,21 +71,37 @@ constexpr int kRowBytes = kBK * 2;
 static_assert(kChunk % kBK == 0, "a chunk is whole k tiles: chunk boundaries are tile boundaries");
 static_assert(kNT == 128, "the warp layouts below assume 128-wide tiles");
 
-// Warp layout of a block: an MT x 128 tile over 8 warps. MT = 128 (large M):
-// 2 x 4 warps of 64 x 32; MT <= 64: 1 x 8 warps of MT x 16 (the few rows are
-// shared, the weight columns split).
-template <int MT>
+// Warp layout of a block: an MT x 128 tile over 8 warps.
+// mma.sync (kWg false): MT = 128 (large M): 2 x 4 warps of 64 x 32; MT <= 64:
+//   1 x 8 warps of MT x 16 (the few rows are shared, the weight columns split).
+// wgmma (kWg true; MT 64 or 128): each of the two warpgroups runs one m64nN
+//   MMA per k16 step: MT = 128: warpgroup g the rows 64 g.., all 128 columns;
+//   MT = 64: all 64 rows, the columns 64 g... Warp w of a warpgroup holds 16
+//   rows of it (wgmma.cuh), so a warp is again a 16 x N block of n8 tiles.
+template <int MT, bool kWg = false>
 struct Shape {
-  static constexpr int kWarpsM = MT == 128 ? 2 : 1;
+  static constexpr int kWarpsM = kWg ? (MT == 128 ? 8 : 4) : (MT == 128 ? 2 : 1);
   static constexpr int kWarpsN = 8 / kWarpsM;
   static constexpr int kWarpM = MT / kWarpsM;
   static constexpr int kWarpN = kNT / kWarpsN;
   static constexpr int kMi = kWarpM / 16;  // m16 tiles per warp
   static constexpr int kNj = kWarpN / 8;   // n8 tiles per warp
+  // k tiles per stage ring, and how far ahead of the MMAs they are loaded:
+  // with wgmma one k tile's MMAs stay in flight while the next are issued,
+  // so the stage they read is reloaded one step later. (wgmma at 64 rows:
+  // 4 stages, 97 KiB, two blocks per SM.)
+  static constexpr int kStages = kWg && MT == 128 ? 5 : 4;
+  static constexpr int kAhead = kWg ? kStages - 2 : kStages - 1;
   static constexpr int kStageBytes = (MT + kNT) * kRowBytes;
-  static constexpr int kSmemBytes = kStages * kStageBytes;
+  // wgmma: + 1 KiB to start the ring on a 1024-byte boundary (the swizzle atom)
+  static constexpr int kSmemBytes = kStages * kStageBytes + (kWg ? 1024 : 0);
   static_assert(kWarpsM * kWarpsN * 32 == kThreads, "8 warps");
   static_assert(kMi >= 1 && kNj % 2 == 0, "ldmatrix.x4 loads two n8 tiles at once");
+  static_assert(!kWg || ((MT == 64 || MT == 128) && kMi == 1), "wgmma: 64 or 128 rows");
+  static_assert(kStageBytes % 1024 == 0, "stages keep the 1024-byte alignment");
+  // A warp's block of the tile: its row and column indices (in warps).
+  __device__ static int warp_m(int warp) { return kWg ? warp % kWarpsM : warp / kWarpsN; }
+  __device__ static int warp_n(int warp) { return kWg ? warp / kWarpsM : warp % kWarpsN; }
 };
 
 // Byte offset of 16-byte column chunk `c` (0..7) of `row` in a stage: rows of
@@ -165,9 +188,9 @@ __device__ __forceinline__ RowLoader<kNT> weight_loader(const Params& p, int n0)
 // mma in increasing k (the last chunk may be shorter; loads past K are
 // zeros). Both launch shapes compute their chunk sums with exactly this,
 // which is what makes them identical.
-template <typename T, int MT>
+template <typename T, int MT, bool kWg>
 struct Mainloop {
-  using S = Shape<MT>;
+  using S = Shape<MT, kWg>;
   using Acc = float[S::kMi][S::kNj][4];
   static constexpr int kTilesPerChunk = kChunk / kBK;
 
@@ -175,6 +198,7 @@ struct Mainloop {
   RowLoader<kNT> load_w;
   std::uint32_t base;  // shared address of stage 0
   std::uint32_t a_off, b_off;
+  std::uint64_t a_desc, b_desc;  // wgmma: the warpgroup's operands in stage 0
   int key, a_half, b_half;
   int kt_begin, kt_end, k;
 
@@ -183,7 +207,7 @@ struct Mainloop {
       : load_x(static_cast<const std::uint16_t*>(p.x), m0 + threadIdx.x / 8,
                p.m - m0 - static_cast<int>(threadIdx.x / 8), RowLoader<MT>::kRowStep, p.k),
         load_w(weight_loader(p, n0)),
-        base(smem),
+        base(kWg ? (smem + 1023u) & ~1023u : smem),
         kt_begin(s_begin * kTilesPerChunk),
         kt_end(min(s_end * kTilesPerChunk, p.k_tiles)),
         k(p.k) {
@@ -194,23 +218,27 @@ struct Mainloop {
     // multiples of 16 rows), so its swizzle key is lane % 8 throughout: row
     // offsets become immediates, only the chunk term follows the k16 step.
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    const int warp_m = warp / S::kWarpsN, warp_n = warp % S::kWarpsN;
+    const int warp_m = S::warp_m(warp), warp_n = S::warp_n(warp);
     key = lane & 7;
     a_off = (warp_m * S::kWarpM + (lane & 15)) * kRowBytes;
     b_off = (MT + warp_n * S::kWarpN + (lane & 7) + ((lane >> 4) << 3)) * kRowBytes;
     a_half = lane >> 4;
     b_half = (lane >> 3) & 1;
-    // The first kStages - 1 k tiles in flight: one commit group each (empty
-    // past the end, so the wait counts stay uniform).
+    // wgmma: the warpgroup's first warp's rows of x, and its weight rows.
+    const int wg_warp = warp & ~3;
+    a_desc = wgmma_desc(base + S::warp_m(wg_warp) * S::kWarpM * kRowBytes);
+    b_desc = wgmma_desc(base + (MT + S::warp_n(wg_warp) * S::kWarpN) * kRowBytes);
+    // The first kAhead k tiles in flight: one commit group each (empty past
+    // the end, so the wait counts stay uniform).
 #pragma unroll
-    for (int i = 0; i < kStages - 1; ++i) {
+    for (int i = 0; i < S::kAhead; ++i) {
       if (kt_begin + i < kt_end) load(kt_begin + i);
       cp_async_commit();
     }
   }
 
   __device__ __forceinline__ std::uint32_t stage(int kt) const {
-    return base + static_cast<unsigned>(kt - kt_begin) % kStages * S::kStageBytes;
+    return base + static_cast<unsigned>(kt - kt_begin) % S::kStages * S::kStageBytes;
   }
   __device__ __forceinline__ void load(int kt) const {
     load_x.load(stage(kt), kt, k);
@@ -225,10 +253,20 @@ struct Mainloop {
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
     const int end = min((s + 1) * kTilesPerChunk, kt_end);
+    if constexpr (kWg) {
+      wgmma_chunk(s, end, acc);
+    } else {
+      mma_chunk(s, end, acc);
+    }
+  }
+
+  // mma.sync: per k tile, per k16 step, the warp's fragments by ldmatrix and
+  // its m16n8k16 MMAs.
+  __device__ __forceinline__ void mma_chunk(int s, int end, Acc& acc) const {
     for (int kt = s * kTilesPerChunk; kt < end; ++kt) {
-      cp_async_wait<kStages - 2>();  // k tile kt has landed (for this thread)...
-      __syncthreads();               // ...for every thread; and stage kt - 1 is free
-      if (kt + kStages - 1 < kt_end) load(kt + kStages - 1);
+      cp_async_wait<S::kAhead - 1>();  // k tile kt has landed (for this thread)...
+      __syncthreads();                 // ...for every thread; and stage kt - 1 is free
+      if (kt + S::kAhead < kt_end) load(kt + S::kAhead);
       cp_async_commit();
       const std::uint32_t st = stage(kt);
 #pragma unroll
@@ -255,6 +293,31 @@ struct Mainloop {
     }
   }
 
+  // The same k16 steps through wgmma: per k tile, the four m64nN MMAs of the
+  // warpgroup, in increasing k, into the accumulator zeroed above. One k
+  // tile's MMAs run on while the next tile's are issued (wait_group 1), so
+  // the stage reloaded at step kt is the one read at kt - 2 (kAhead =
+  // kStages - 2), which every warpgroup has finished by the barrier.
+  __device__ __forceinline__ void wgmma_chunk(int s, int end, Acc& acc) const {
+    float* d = &acc[0][0][0];
+    for (int kt = s * kTilesPerChunk; kt < end; ++kt) {
+      cp_async_wait<S::kAhead - 1>();
+      fence_proxy_async();  // the cp.async data, to the MMAs' (async) proxy
+      __syncthreads();
+      if (kt + S::kAhead < kt_end) load(kt + S::kAhead);
+      cp_async_commit();
+      const std::uint64_t st = (stage(kt) - base) >> 4;  // in descriptor units
+      wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < kBK / 16; ++ks) {
+        wgmma_m64k16<T, S::kWarpN>(d, a_desc + st + 2 * ks, b_desc + st + 2 * ks);
+      }
+      wgmma_commit();
+      wgmma_wait<1>();
+    }
+    wgmma_wait<0>();  // the chunk sum is in acc
+  }
+
   // Nothing left in flight when the block moves on or exits.
   __device__ __forceinline__ void drain() const { cp_async_wait<0>(); }
 };
@@ -266,17 +329,17 @@ __device__ __forceinline__ std::uint32_t dynamic_smem() {
 
 // Accumulator element e of m16 tile i, n8 tile j of this lane: row and column
 // in the block's tile (the mma's C layout: rows g and g + 8, columns 2c, 2c + 1).
-template <int MT>
+template <int MT, bool kWg>
 __device__ __forceinline__ int acc_row(int i, int e) {
-  using S = Shape<MT>;
+  using S = Shape<MT, kWg>;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  return (warp / S::kWarpsN) * S::kWarpM + i * 16 + lane / 4 + (e >= 2 ? 8 : 0);
+  return S::warp_m(warp) * S::kWarpM + i * 16 + lane / 4 + (e >= 2 ? 8 : 0);
 }
-template <int MT>
+template <int MT, bool kWg>
 __device__ __forceinline__ int acc_col(int j) {
-  using S = Shape<MT>;
+  using S = Shape<MT, kWg>;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  return (warp % S::kWarpsN) * S::kWarpN + j * 8 + (lane % 4) * 2;
+  return S::warp_n(warp) * S::kWarpN + j * 8 + (lane % 4) * 2;
 }
 
 __device__ __forceinline__ std::uint32_t pack2(__half lo, __half hi) {
@@ -290,11 +353,11 @@ __device__ __forceinline__ std::uint32_t pack2(__nv_bfloat16 lo, __nv_bfloat16 h
 
 // silu layout: the output column (in the block's 64) of the gate total in
 // n8 tile j (even) of this lane; its up total is in tile j + 1.
-template <int MT>
+template <int MT, bool kWg>
 __device__ __forceinline__ int silu_col(int j) {
-  using S = Shape<MT>;
+  using S = Shape<MT, kWg>;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  return (warp % S::kWarpsN) * (S::kWarpN / 2) + (j / 2) * 8 + (lane % 4) * 2;
+  return S::warp_n(warp) * (S::kWarpN / 2) + (j / 2) * 8 + (lane % 4) * 2;
 }
 
 // silu_mul of a gate and an up total, each rounded to T first (the plain
@@ -321,10 +384,10 @@ __device__ __forceinline__ std::uint32_t out2(float lo, float hi, std::uint32_t 
 
 // Large M: one block per output tile, all chunks; grouped raster order so a
 // wave of blocks shares kGroupM row tiles of x and a band of w in L2.
-template <typename T, int MT>
+template <typename T, int MT, bool kWg>
 __global__ void __launch_bounds__(kThreads, MT == 128 ? 1 : 2)
     gemm_tiled_kernel(const Params p) {
-  using S = Shape<MT>;
+  using S = Shape<MT, kWg>;
   const int per_group = kGroupM * p.n_tiles;
   const int group = blockIdx.x / per_group;
   const int first_m = group * kGroupM;
@@ -335,7 +398,7 @@ __global__ void __launch_bounds__(kThreads, MT == 128 ? 1 : 2)
 
   // total = c_0 (chunk 0 straight into it, from zero), then total += c_s:
   // the fold of fold_partials, in registers.
-  Mainloop<T, MT> loop(p, dynamic_smem(), m0, n0, 0, p.chunks);
+  Mainloop<T, MT, kWg> loop(p, dynamic_smem(), m0, n0, 0, p.chunks);
   float total[S::kMi][S::kNj][4], acc[S::kMi][S::kNj][4];
   loop.chunk(0, total);
   for (int s = 1; s < p.chunks; ++s) {
@@ -355,11 +418,11 @@ __global__ void __launch_bounds__(kThreads, MT == 128 ? 1 : 2)
     for (int i = 0; i < S::kMi; ++i)
 #pragma unroll
       for (int j = 0; j < S::kNj; j += 2) {
-        const int n = n0 + silu_col<MT>(j);
+        const int n = n0 + silu_col<MT, kWg>(j);
         if (n >= p.n) continue;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          const int m = m0 + acc_row<MT>(i, 2 * h);
+          const int m = m0 + acc_row<MT, kWg>(i, 2 * h);
           if (m >= p.m) continue;
           *reinterpret_cast<std::uint32_t*>(y + static_cast<std::int64_t>(m) * p.n + n) =
               pack2(silu_out<T>(total[i][j][2 * h], total[i][j + 1][2 * h]),
@@ -373,11 +436,11 @@ __global__ void __launch_bounds__(kThreads, MT == 128 ? 1 : 2)
   for (int i = 0; i < S::kMi; ++i)
 #pragma unroll
     for (int j = 0; j < S::kNj; ++j) {
-      const int n = n0 + acc_col<MT>(j);
+      const int n = n0 + acc_col<MT, kWg>(j);
       if (n >= p.n) continue;  // N % 8 == 0: columns n and n + 1 are both in or both out
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const int m = m0 + acc_row<MT>(i, 2 * h);
+        const int m = m0 + acc_row<MT, kWg>(i, 2 * h);
         if (m >= p.m) continue;
         const std::int64_t off = static_cast<std::int64_t>(m) * p.n + n;
         const float lo = total[i][j][2 * h], hi = total[i][j][2 * h + 1];
@@ -442,13 +505,13 @@ __device__ __forceinline__ void fold_partials(const Params& p, int m_tile, int n
 
 // Small M: block (chunk, column tile, row tile) writes one chunk sum; the
 // last of a tile's blocks folds them (with counters).
-template <typename T, int MT>
+template <typename T, int MT, bool kWg>
 __global__ void __launch_bounds__(kThreads, MT == 128 ? 1 : 2)
     gemm_split_kernel(const Params p) {
-  using S = Shape<MT>;
+  using S = Shape<MT, kWg>;
   const int s = blockIdx.x, n_tile = blockIdx.y, m_tile = blockIdx.z;
   const int m0 = m_tile * MT, n0 = n_tile * tile_cols(p);
-  Mainloop<T, MT> loop(p, dynamic_smem(), m0, n0, s, s + 1);
+  Mainloop<T, MT, kWg> loop(p, dynamic_smem(), m0, n0, s, s + 1);
   float acc[S::kMi][S::kNj][4];
   loop.chunk(s, acc);
   loop.drain();
@@ -458,7 +521,7 @@ __global__ void __launch_bounds__(kThreads, MT == 128 ? 1 : 2)
 #pragma unroll
     for (int j = 0; j < S::kNj; ++j) {
       // Output column n; the partial's column is the weight row.
-      const int t = acc_col<MT>(j);
+      const int t = acc_col<MT, kWg>(j);
       int n = n0 + t, wn = n;
       if (p.inter != 0) {
         n = n0 + (t / 16) * 8 + t % 8;
@@ -467,7 +530,7 @@ __global__ void __launch_bounds__(kThreads, MT == 128 ? 1 : 2)
       if (n >= p.n) continue;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const int m = m0 + acc_row<MT>(i, 2 * h);
+        const int m = m0 + acc_row<MT, kWg>(i, 2 * h);
         if (m >= p.m) continue;
         __stcg(reinterpret_cast<float2*>(out + static_cast<std::int64_t>(m) * p.n_w + wn),
                make_float2(acc[i][j][2 * h], acc[i][j][2 * h + 1]));
@@ -506,12 +569,12 @@ void opt_in_smem(K kernel, int bytes, bool& done) {
   done = true;
 }
 
-template <typename T, int MT>
+template <typename T, int MT, bool kWg>
 void launch(Params p, bool split, cudaStream_t stream) {
-  using S = Shape<MT>;
+  using S = Shape<MT, kWg>;
   p.m_tiles = ceil_div(p.m, MT);
   if (!split) {
-    auto kernel = gemm_tiled_kernel<T, MT>;
+    auto kernel = gemm_tiled_kernel<T, MT, kWg>;
     static bool opted_in = false;  // per instantiation, as gemv
     opt_in_smem(kernel, S::kSmemBytes, opted_in);
     const std::int64_t blocks = static_cast<std::int64_t>(p.m_tiles) * p.n_tiles;
@@ -519,7 +582,7 @@ void launch(Params p, bool split, cudaStream_t stream) {
     check_launch("gemm_tiled_kernel");
     return;
   }
-  auto kernel = gemm_split_kernel<T, MT>;
+  auto kernel = gemm_split_kernel<T, MT, kWg>;
   static bool opted_in = false;
   opt_in_smem(kernel, S::kSmemBytes, opted_in);
   kernel<<<dim3(p.chunks, p.n_tiles, p.m_tiles), kThreads, S::kSmemBytes, stream>>>(p);
@@ -530,13 +593,32 @@ void launch(Params p, bool split, cudaStream_t stream) {
   }
 }
 
-// Rows per block: the smallest of 16, 32, 64 that holds M, else 128 (kGemmInvariantTile).
+bool g_wgmma = false;  // set_gemm_invariant_wgmma
+
+int sm_count() {
+  int device = 0, sms = 0;
+  check_cuda(cudaGetDevice(&device), "gemm_invariant: device");
+  check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device),
+             "gemm_invariant: SMs");
+  return sms;
+}
+
+// Rows per block. mma.sync: the smallest of 16, 32, 64 that holds M, else
+// 128 (kGemmInvariantTile). wgmma: 64 up to 64 rows, else 128, or 64 for a
+// tiled launch whose 128-row tiles would leave SMs idle (twice the blocks).
+// The split shape's tile rows are block_rows() in both (its counters).
 template <typename T>
 void dispatch_rows(const Params& p, bool split, cudaStream_t stream) {
-  if (p.m <= 16) return launch<T, 16>(p, split, stream);
-  if (p.m <= 32) return launch<T, 32>(p, split, stream);
-  if (p.m <= 64) return launch<T, 64>(p, split, stream);
-  launch<T, 128>(p, split, stream);
+  if (g_wgmma) {
+    if (p.m <= 64 || (!split && ceil_div(p.m, 128) * p.n_tiles < sm_count())) {
+      return launch<T, 64, true>(p, split, stream);
+    }
+    return launch<T, 128, true>(p, split, stream);
+  }
+  if (p.m <= 16) return launch<T, 16, false>(p, split, stream);
+  if (p.m <= 32) return launch<T, 32, false>(p, split, stream);
+  if (p.m <= 64) return launch<T, 64, false>(p, split, stream);
+  launch<T, 128, false>(p, split, stream);
 }
 
 int block_rows(std::int64_t rows) { return rows <= 16 ? 16 : rows <= 32 ? 32 : rows <= 64 ? 64 : 128; }
@@ -554,6 +636,9 @@ void check_shape(std::int64_t rows, std::int64_t n_out, std::int64_t k_in) {
 }
 
 }  // namespace
+
+void set_gemm_invariant_wgmma(bool on) { g_wgmma = on; }
+bool gemm_invariant_wgmma() { return g_wgmma; }
 
 std::int64_t gemm_invariant_workspace(std::int64_t rows, std::int64_t n_out, std::int64_t k_in,
                                       GemmInvariantPath path) {

@@ -126,6 +126,10 @@ void gemv_qkv_rope(std::uintptr_t q_out, std::uintptr_t x, std::uintptr_t w, std
 // With silu_mul, w's n_out rows (a multiple of 16) are the gate rows over
 // the up rows and y is [rows, n_out / 2] = silu_mul(gate, up), bit for bit
 // the plain launch followed by silu_mul (no residual then).
+// The chunk sums come from mma.sync by default, or from Hopper's wgmma after
+// set_gemm_invariant_wgmma(true): both shapes then use wgmma, so they still
+// agree, but the bits differ from the mma.sync ones -- a process (and every
+// worker a stream may move to) keeps one setting.
 constexpr int kGemmInvariantChunk = 512;
 constexpr int kGemmInvariantSplitMaxRows = 64;
 constexpr int kGemmInvariantTile = 128;  // output columns per block; rows too above 64 rows
@@ -135,6 +139,8 @@ std::int64_t gemm_invariant_workspace(std::int64_t rows, std::int64_t n_out, std
                                       GemmInvariantPath path = GemmInvariantPath::kAuto);
 std::int64_t gemm_invariant_counters(std::int64_t rows, std::int64_t n_out,
                                      GemmInvariantPath path = GemmInvariantPath::kAuto);
+void set_gemm_invariant_wgmma(bool on);
+bool gemm_invariant_wgmma();
 void gemm_invariant(std::uintptr_t y, std::uintptr_t x, std::uintptr_t w, std::int64_t rows,
                     std::int64_t n_out, std::int64_t k_in, DType dtype, std::uintptr_t workspace,
                     std::int64_t workspace_bytes, std::uintptr_t stream,
@@ -187,7 +193,11 @@ void paged_attention(const AttentionArgs& args);
 // style: `tiles` lists (sequence, 64-row tile) pairs, num_tiles of them; no
 // split-K (partition and INT8 fields unused). Same result as paged_attention
 // up to the order of the sums.
+// set_prefill_attention_wgmma(true) runs the same tiles on Hopper's wgmma
+// (a warpgroup per tile, Q and K/V in 128-byte-swizzled shared memory).
 void prefill_attention(const AttentionArgs& args);
+void set_prefill_attention_wgmma(bool on);
+bool prefill_attention_wgmma();
 constexpr int kPrefillTileRows = 64;
 
 // Rows of one tile and warps of one attention block (for the caller's sizing).

@@ -20,6 +20,7 @@
 // and short grids stay on attention.cu.
 #include "mma.cuh"
 #include "paged_batch.cuh"
+#include "wgmma.cuh"
 
 namespace turbomq {
 namespace cuda {
@@ -40,6 +41,139 @@ __device__ __forceinline__ std::uint32_t chunk_offset(int row, int c) {
   return static_cast<std::uint32_t>(row * D * 2 + ((c ^ (row & 7)) << 4));
 }
 
+// The block's tile: its sequence, rows, and the keys its rows see.
+struct Tile {
+  int kvh, seq, row0, q_start, n, ctx, rows;
+  int keys_first, keys_last;  // keys the first and the last row see
+  int tiles;                  // 64-key K/V tiles up to keys_last
+};
+
+__device__ __forceinline__ Tile tile_of(const Params& p) {
+  Tile b;
+  b.kvh = blockIdx.y;
+  b.seq = p.tiles[2 * blockIdx.x];
+  b.row0 = p.tiles[2 * blockIdx.x + 1] * kBlockRows;
+  b.q_start = p.cu_q_lens[b.seq];
+  b.n = p.cu_q_lens[b.seq + 1] - b.q_start;
+  b.ctx = p.context_lens[b.seq];
+  b.rows = min(kBlockRows, b.n * p.group - b.row0);
+  b.keys_first = b.ctx - b.n + b.row0 / p.group + 1;
+  b.keys_last = b.ctx - b.n + (b.row0 + b.rows - 1) / p.group + 1;
+  b.tiles = (b.keys_last + kTileKeys - 1) / kTileKeys;
+  return b;
+}
+
+// Row r of the tile: its key limit (0: an unused row, every key masked) and
+// its q vector (null for an unused row).
+template <typename T>
+__device__ __forceinline__ const T* row_q(const Params& p, const Tile& b, int r, int& limit) {
+  limit = 0;
+  if (r >= b.rows) return nullptr;
+  const int qi = (b.row0 + r) / p.group;
+  const int head = b.kvh * p.group + (b.row0 + r) % p.group;
+  limit = b.ctx - b.n + qi + 1;
+  return static_cast<const T*>(p.q) + (b.q_start + qi) * p.q_stride_tok + head * p.q_stride_head;
+}
+
+// Global offset (elements) of 16-byte chunk `ch` of key `tok`'s row, or
+// false past the keys the tile reads.
+template <int D>
+__device__ __forceinline__ bool key_offset(const Params& p, const Tile& b, const int* table,
+                                           int tok, int ch, std::int64_t& off) {
+  off = 0;
+  if (tok >= b.keys_last) return false;
+  const int block_mask = (1 << p.block_shift) - 1;
+  const int block = __ldg(table + (tok >> p.block_shift));
+  off = ((static_cast<std::int64_t>(block) * p.num_kv_heads + b.kvh) * (block_mask + 1) +
+         (tok & block_mask)) * D + ch * 8;
+  return true;
+}
+
+// Online softmax (base 2) of one 64-key tile of S for this lane's rows g and
+// g + 8: element e of block b is key 8 b + 2 c + (e & 1) of row g (e < 2) or
+// g + 8. S becomes P (unnormalized), m and l advance, alpha rescales O.
+__device__ __forceinline__ void softmax_tile(float (&s)[kTileKeys / 8][4], float (&m)[2],
+                                             float (&l)[2], float (&alpha)[2],
+                                             const int (&limit)[2], bool masked, int key0, int c,
+                                             float scale_log2) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float mx = m[h];
+#pragma unroll
+    for (int b = 0; b < kTileKeys / 8; ++b)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float x = s[b][2 * h + e] * scale_log2;
+        if (masked && key0 + 8 * b + 2 * c + e >= limit[h]) x = -INFINITY;
+        s[b][2 * h + e] = x;
+        mx = fmaxf(mx, x);
+      }
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float base = mx == -INFINITY ? 0.0f : mx;  // a row with no key yet
+    alpha[h] = exp2f(m[h] - base);
+    m[h] = mx;
+    float sum = 0.0f;
+#pragma unroll
+    for (int b = 0; b < kTileKeys / 8; ++b)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float pe = exp2f(s[b][2 * h + e] - base);
+        s[b][2 * h + e] = pe;
+        sum += pe;
+      }
+    l[h] = l[h] * alpha[h] + sum;
+  }
+}
+
+template <int D>
+__device__ __forceinline__ void rescale(float (&o)[D / 8][4], const float (&alpha)[2]) {
+#pragma unroll
+  for (int j = 0; j < D / 8; ++j) {
+    o[j][0] *= alpha[0];
+    o[j][1] *= alpha[0];
+    o[j][2] *= alpha[1];
+    o[j][3] *= alpha[1];
+  }
+}
+
+// P's A fragment for the k16 step over keys 16 k2..: S's accumulator layout
+// re-packed to 16 bits (mma.m16n8k16 and wgmma share this A layout).
+template <typename T>
+__device__ __forceinline__ void p_fragment(const float (&s)[kTileKeys / 8][4], int k2,
+                                           std::uint32_t (&pa)[4]) {
+  pa[0] = pack_pair<T>(s[2 * k2][0], s[2 * k2][1]);
+  pa[1] = pack_pair<T>(s[2 * k2][2], s[2 * k2][3]);
+  pa[2] = pack_pair<T>(s[2 * k2 + 1][0], s[2 * k2 + 1][1]);
+  pa[3] = pack_pair<T>(s[2 * k2 + 1][2], s[2 * k2 + 1][3]);
+}
+
+// Normalize and store this lane's rows: element e of block j is dim
+// 8 j + 2 c + (e & 1) of row warp_row + g (e < 2) or + 8.
+template <typename T, int D>
+__device__ __forceinline__ void store_rows(const Params& p, const Tile& b,
+                                           const float (&o)[D / 8][4], const float (&l)[2],
+                                           int warp_row, int g, int c) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float sum = l[h];
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    const int r = warp_row + g + 8 * h;
+    if (r >= b.rows) continue;
+    const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+    const int qi = (b.row0 + r) / p.group;
+    const int head = b.kvh * p.group + (b.row0 + r) % p.group;
+    T* dst = static_cast<T*>(p.out) +
+             (static_cast<std::int64_t>(b.q_start + qi) * p.num_heads + head) * D + 2 * c;
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j) {
+      *reinterpret_cast<std::uint32_t*>(dst + 8 * j) =
+          pack_pair<T>(o[j][2 * h] * inv, o[j][2 * h + 1] * inv);
+    }
+  }
+}
+
 template <typename T, int D>
 __global__ void __launch_bounds__(kThreads) prefill_attention_kernel(const Params p) {
   constexpr int kChunks = D / 8;      // 16-byte chunks per key row
@@ -51,56 +185,30 @@ __global__ void __launch_bounds__(kThreads) prefill_attention_kernel(const Param
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, c = lane % 4;
-  const int kvh = blockIdx.y;
-  const int seq = p.tiles[2 * blockIdx.x];
-  const int row0 = p.tiles[2 * blockIdx.x + 1] * kBlockRows;
-  const int q_start = p.cu_q_lens[seq];
-  const int n = p.cu_q_lens[seq + 1] - q_start;
-  const int ctx = p.context_lens[seq];
-  const int rows = min(kBlockRows, n * p.group - row0);
-  // Keys the block's first and last rows see.
-  const int keys_first = ctx - n + row0 / p.group + 1;
-  const int keys_last = ctx - n + (row0 + rows - 1) / p.group + 1;
-  const int tiles = (keys_last + kTileKeys - 1) / kTileKeys;
-
-  const int* table = p.block_tables + static_cast<std::int64_t>(seq) * p.max_blocks;
-  const int block_mask = (1 << p.block_shift) - 1;
+  const Tile b = tile_of(p);
+  const int* table = p.block_tables + static_cast<std::int64_t>(b.seq) * p.max_blocks;
   const std::uint32_t smem_base = static_cast<std::uint32_t>(__cvta_generic_to_shared(smem));
   auto load_tile = [&](int tile, int stage) {
     const std::uint32_t k_dst = smem_base + stage * 2 * kTileBytes;
     const std::uint32_t v_dst = k_dst + kTileBytes;
     for (int i = threadIdx.x; i < kTileKeys * kChunks; i += kThreads) {
       const int row = i / kChunks, ch = i % kChunks;
-      const int tok = tile * kTileKeys + row;
-      const bool ok = tok < keys_last;
-      std::int64_t off = 0;
-      if (ok) {
-        const int block = __ldg(table + (tok >> p.block_shift));
-        off = ((static_cast<std::int64_t>(block) * p.num_kv_heads + kvh) * (block_mask + 1) +
-               (tok & block_mask)) * D + ch * 8;
-      }
+      std::int64_t off;
+      const bool ok = key_offset<D>(p, b, table, tile * kTileKeys + row, ch, off);
       cp_async16(k_dst + chunk_offset<D>(row, ch), static_cast<const T*>(p.k_cache) + off, ok);
       cp_async16(v_dst + chunk_offset<D>(row, ch), static_cast<const T*>(p.v_cache) + off, ok);
     }
     cp_async_commit();
   };
-  if (tiles > 0) load_tile(0, 0);
+  if (b.tiles > 0) load_tile(0, 0);
 
-  // This lane's rows: g and g + 8 of the warp's 16; their key limits (0: an
-  // unused row, every key masked) and Q fragments.
+  // This lane's rows: g and g + 8 of the warp's 16; their key limits and Q
+  // fragments.
   int limit[2];
   std::uint32_t qf[kKSteps][4];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    const int r = warp * 16 + g + 8 * h;
-    limit[h] = 0;
-    const T* src = nullptr;
-    if (r < rows) {
-      const int qi = (row0 + r) / p.group;
-      const int head = kvh * p.group + (row0 + r) % p.group;
-      limit[h] = ctx - n + qi + 1;
-      src = static_cast<const T*>(p.q) + (q_start + qi) * p.q_stride_tok + head * p.q_stride_head;
-    }
+    const T* src = row_q<T>(p, b, warp * 16 + g + 8 * h, limit[h]);
 #pragma unroll
     for (int kk = 0; kk < kKSteps; ++kk) {
       // a0/a2: row g, dims 2c and 2c + 8; a1/a3: row g + 8.
@@ -118,8 +226,8 @@ __global__ void __launch_bounds__(kThreads) prefill_attention_kernel(const Param
   float l[2] = {0.0f, 0.0f};
   const int mat = lane / 8, mrow = lane % 8;  // this lane's ldmatrix row address
 
-  for (int t = 0; t < tiles; ++t) {
-    if (t + 1 < tiles) {
+  for (int t = 0; t < b.tiles; ++t) {
+    if (t + 1 < b.tiles) {
       load_tile(t + 1, (t + 1) & 1);
       cp_async_wait<1>();
     } else {
@@ -132,9 +240,9 @@ __global__ void __launch_bounds__(kThreads) prefill_attention_kernel(const Param
     // S = Q K^T over this tile's 64 keys.
     float s[kKeyBlocks][4];
 #pragma unroll
-    for (int b = 0; b < kKeyBlocks; ++b)
+    for (int kb2 = 0; kb2 < kKeyBlocks; ++kb2)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) s[b][e] = 0.0f;
+      for (int e = 0; e < 4; ++e) s[kb2][e] = 0.0f;
 #pragma unroll
     for (int b2 = 0; b2 < kKeyBlocks / 2; ++b2) {
 #pragma unroll
@@ -147,54 +255,17 @@ __global__ void __launch_bounds__(kThreads) prefill_attention_kernel(const Param
       }
     }
 
-    // Online softmax (base 2); element e of block b is key 8 b + 2 c + (e & 1)
-    // of row g (e < 2) or g + 8.
     const int key0 = t * kTileKeys;
-    const bool masked = key0 + kTileKeys > keys_first || limit[0] == 0 || limit[1] == 0;
+    const bool masked = key0 + kTileKeys > b.keys_first || limit[0] == 0 || limit[1] == 0;
     float alpha[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float mx = m[h];
-#pragma unroll
-      for (int b = 0; b < kKeyBlocks; ++b)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          float x = s[b][2 * h + e] * p.scale_log2;
-          if (masked && key0 + 8 * b + 2 * c + e >= limit[h]) x = -INFINITY;
-          s[b][2 * h + e] = x;
-          mx = fmaxf(mx, x);
-        }
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float base = mx == -INFINITY ? 0.0f : mx;  // a row with no key yet
-      alpha[h] = exp2f(m[h] - base);
-      m[h] = mx;
-      float sum = 0.0f;
-#pragma unroll
-      for (int b = 0; b < kKeyBlocks; ++b)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const float pe = exp2f(s[b][2 * h + e] - base);
-          s[b][2 * h + e] = pe;
-          sum += pe;
-        }
-      l[h] = l[h] * alpha[h] + sum;
-    }
-#pragma unroll
-    for (int j = 0; j < kDimBlocks; ++j) {
-      o[j][0] *= alpha[0];
-      o[j][1] *= alpha[0];
-      o[j][2] *= alpha[1];
-      o[j][3] *= alpha[1];
-    }
+    softmax_tile(s, m, l, alpha, limit, masked, key0, c, p.scale_log2);
+    rescale<D>(o, alpha);
 
     // O += P V, 16 keys per mma K step.
 #pragma unroll
     for (int k2 = 0; k2 < kTileKeys / 16; ++k2) {
-      const std::uint32_t pa[4] = {pack_pair<T>(s[2 * k2][0], s[2 * k2][1]),
-                                   pack_pair<T>(s[2 * k2][2], s[2 * k2][3]),
-                                   pack_pair<T>(s[2 * k2 + 1][0], s[2 * k2 + 1][1]),
-                                   pack_pair<T>(s[2 * k2 + 1][2], s[2 * k2 + 1][3])};
+      std::uint32_t pa[4];
+      p_fragment<T>(s, k2, pa);
 #pragma unroll
       for (int j2 = 0; j2 < kDimBlocks / 2; ++j2) {
         // matrices: keys 16 k2 + (0-7 | 8-15) x dim chunks 2 j2 | 2 j2 + 1, transposed
@@ -207,30 +278,153 @@ __global__ void __launch_bounds__(kThreads) prefill_attention_kernel(const Param
     }
     __syncthreads();  // every warp is done with this stage before it is refilled
   }
+  store_rows<T, D>(p, b, o, l, warp * 16, g, c);
+}
 
-  // Normalize and store: element e of block j is dim 8 j + 2 c + (e & 1).
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    float sum = l[h];
-    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-    const int r = warp * 16 + g + 8 * h;
-    if (r >= rows) continue;
-    const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-    const int qi = (row0 + r) / p.group;
-    const int head = kvh * p.group + (row0 + r) % p.group;
-    T* dst = static_cast<T*>(p.out) +
-             (static_cast<std::int64_t>(q_start + qi) * p.num_heads + head) * D + 2 * c;
-#pragma unroll
-    for (int j = 0; j < kDimBlocks; ++j) {
-      *reinterpret_cast<std::uint32_t*>(dst + 8 * j) =
-          pack_pair<T>(o[j][2 * h] * inv, o[j][2 * h + 1] * inv);
-    }
-  }
+// The same tile on Hopper's wgmma: the block's four warps are one
+// warpgroup, and each product is one warpgroup MMA per k16 step.
+//   Shared memory holds Q and the K/V tiles in 128-byte-swizzled panels of
+//   64 head dims ([D / 64 panels][rows][128 bytes], chunk c of row r at
+//   c ^ (r % 8)): K-major operands for S = Q K^T (m64n64, D / 16 steps), and
+//   the same V panels read N-major (rows are keys) for O += P V (m64nD, P
+//   from registers, 4 steps of 16 keys).
+//   Each warp's accumulators come out in mma.m16n8k16's C layout for its 16
+//   rows, so the softmax, P's fragments and the store are those above.
+//   Q loads once with K/V tile 0; tiles are double-buffered as above. Each
+//   product waits for its MMAs before the softmax or the next tile reads
+//   their results: the overlap comes from the other blocks on the SM.
+template <int D>
+constexpr int wgmma_smem_bytes() {
+  return (kBlockRows + 2 * 2 * kTileKeys) * D * 2 + 1024;  // Q, 2 stages of K and V, alignment
 }
 
 template <typename T, int D>
+__global__ void __launch_bounds__(kThreads) prefill_attention_wgmma_kernel(const Params p) {
+  constexpr int kPanels = D / 64;
+  constexpr int kPanelBytes = kTileKeys * 128;  // a 64-row panel: Q's and a K/V tile's
+  constexpr std::uint32_t kTileBytes = kPanels * kPanelBytes;
+  static_assert(kBlockRows == kTileKeys, "Q's panels are the size of a K/V tile's");
+  extern __shared__ __align__(128) unsigned char smem[];  // Q, then [2 stages][K, V]
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, c = lane % 4;
+  const Tile b = tile_of(p);
+  const int* table = p.block_tables + static_cast<std::int64_t>(b.seq) * p.max_blocks;
+  const std::uint32_t q_base =
+      (static_cast<std::uint32_t>(__cvta_generic_to_shared(smem)) + 1023u) & ~1023u;
+  const std::uint32_t kv_base = q_base + kTileBytes;
+  // Chunk ch (of D / 8) of row r: panel ch / 8, swizzled within the panel.
+  auto panel_offset = [](int r, int ch) {
+    return static_cast<std::uint32_t>((ch >> 3) * kPanelBytes + r * 128 + (((ch & 7) ^ (r & 7)) << 4));
+  };
+  auto load_tile = [&](int tile, int stage) {
+    const std::uint32_t k_dst = kv_base + stage * 2 * kTileBytes;
+    const std::uint32_t v_dst = k_dst + kTileBytes;
+    for (int i = threadIdx.x; i < kTileKeys * (D / 8); i += kThreads) {
+      const int row = i / (D / 8), ch = i % (D / 8);
+      std::int64_t off;
+      const bool ok = key_offset<D>(p, b, table, tile * kTileKeys + row, ch, off);
+      cp_async16(k_dst + panel_offset(row, ch), static_cast<const T*>(p.k_cache) + off, ok);
+      cp_async16(v_dst + panel_offset(row, ch), static_cast<const T*>(p.v_cache) + off, ok);
+    }
+    cp_async_commit();
+  };
+  // Q (zeros past the tile's rows), in tile 0's commit group.
+  for (int i = threadIdx.x; i < kBlockRows * (D / 8); i += kThreads) {
+    const int r = i / (D / 8), ch = i % (D / 8);
+    int unused;
+    const T* src = row_q<T>(p, b, r, unused);
+    cp_async16(q_base + panel_offset(r, ch), src ? src + ch * 8 : static_cast<const T*>(p.q),
+               src != nullptr);
+  }
+  if (b.tiles > 0) {
+    load_tile(0, 0);
+  } else {
+    cp_async_commit();
+  }
+
+  int limit[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) row_q<T>(p, b, warp * 16 + g + 8 * h, limit[h]);
+
+  float o[D / 8][4];
+#pragma unroll
+  for (int j = 0; j < D / 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) o[j][e] = 0.0f;
+  float m[2] = {-INFINITY, -INFINITY};
+  float l[2] = {0.0f, 0.0f};
+  const std::uint64_t q_desc = wgmma_desc(q_base);
+
+  for (int t = 0; t < b.tiles; ++t) {
+    if (t + 1 < b.tiles) {
+      load_tile(t + 1, (t + 1) & 1);
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    fence_proxy_async();  // the cp.async data, to the MMAs' (async) proxy
+    __syncthreads();
+    const std::uint32_t k_tile = kv_base + (t & 1) * 2 * kTileBytes;
+    const std::uint64_t k_desc = wgmma_desc(k_tile);
+    const std::uint64_t v_desc = wgmma_desc_mn(k_tile + kTileBytes, kPanelBytes);
+
+    // S = Q K^T: k16 step ks is 32 bytes into panel ks / 4 of both.
+    float s[kTileKeys / 8][4];
+#pragma unroll
+    for (int kb = 0; kb < kTileKeys / 8; ++kb)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[kb][e] = 0.0f;
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) {
+      const std::uint64_t step = ((ks >> 2) * kPanelBytes + (ks & 3) * 32) >> 4;
+      wgmma_m64k16<T, kTileKeys>(&s[0][0], q_desc + step, k_desc + step);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+
+    const int key0 = t * kTileKeys;
+    const bool masked = key0 + kTileKeys > b.keys_first || limit[0] == 0 || limit[1] == 0;
+    float alpha[2];
+    softmax_tile(s, m, l, alpha, limit, masked, key0, c, p.scale_log2);
+    rescale<D>(o, alpha);
+
+    // O += P V: the k16 step over keys 16 k2.. is two 8-key atoms further.
+    std::uint32_t pa[kTileKeys / 16][4];
+#pragma unroll
+    for (int k2 = 0; k2 < kTileKeys / 16; ++k2) p_fragment<T>(s, k2, pa[k2]);
+    wgmma_fence();
+#pragma unroll
+    for (int k2 = 0; k2 < kTileKeys / 16; ++k2) {
+      wgmma_m64k16_rs<T, D>(&o[0][0], pa[k2], v_desc + ((k2 * 16 * 128) >> 4));
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    __syncthreads();  // every warp is done with this stage before it is refilled
+  }
+  cp_async_wait<0>();  // Q's copy, when there was no tile to wait for
+  store_rows<T, D>(p, b, o, l, warp * 16, g, c);
+}
+
+bool g_wgmma = false;  // set_prefill_attention_wgmma
+
+template <typename T, int D>
 void launch(const Params& p, int num_tiles, cudaStream_t s) {
+  if (g_wgmma) {
+    constexpr int kSmem = wgmma_smem_bytes<D>();
+    static bool opted_in = false;
+    if (!opted_in) {
+      check_cuda(cudaFuncSetAttribute(prefill_attention_wgmma_kernel<T, D>,
+                                      cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem),
+                 "prefill_attention: shared memory opt-in");
+      opted_in = true;
+    }
+    prefill_attention_wgmma_kernel<T, D>
+        <<<dim3(num_tiles, p.num_kv_heads), kThreads, kSmem, s>>>(p);
+    check_launch("prefill_attention_wgmma_kernel");
+    return;
+  }
   constexpr int kSmem = 2 * 2 * kTileKeys * D * 2;  // two stages of K and V
   static bool opted_in = false;
   if (!opted_in) {
@@ -244,6 +438,9 @@ void launch(const Params& p, int num_tiles, cudaStream_t s) {
 }
 
 }  // namespace
+
+void set_prefill_attention_wgmma(bool on) { g_wgmma = on; }
+bool prefill_attention_wgmma() { return g_wgmma; }
 
 void prefill_attention(const AttentionArgs& a) {
   require(a.cache_dtype == a.dtype, "prefill_attention: the cache must be 16-bit, q's dtype");

@@ -3,7 +3,8 @@ within tolerance of the chunked reference and of cuBLAS, and bit-identical
 row by row whatever the batch: a row alone, the first rows, gathered
 subsets (rows at new positions), the same rows among random others, sizes
 either side of the split/tiled switch, both launch shapes forced, the fold
-in the last block or in a second kernel, eager or replayed in a CUDA graph. The fused residual
+in the last block or in a second kernel, eager or replayed in a CUDA graph;
+each on mma.sync and on Hopper's wgmma. The fused residual
 add and silu_mul stores equal the GEMM followed by the separate kernel, bit
 for bit, and stay batch-invariant.
 
@@ -29,6 +30,15 @@ from kernel_checks import DEV, DTYPES, TOL, gen, poisoned, randn, rel_err  # noq
 SHAPES = [(4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]
 ROWS = [1, 3, 16, 64, 65, 200, 1024, 4096]
 MAX_MACS = 6e11  # rows x N x K per case: keeps the reference's float32 matmul quick
+
+
+@pytest.fixture(autouse=True, params=["mma.sync", "wgmma"])
+def mma_kind(request):
+    """Every test runs on both kinds of MMA (set_gemm_invariant_wgmma)."""
+    cuda_ops._k.set_gemm_invariant_wgmma(request.param == "wgmma")
+    assert cuda_ops._k.gemm_invariant_wgmma() == (request.param == "wgmma")
+    yield request.param
+    cuda_ops._k.set_gemm_invariant_wgmma(cuda_ops.INVARIANT_WGMMA)
 
 
 def assert_rows_equal(got: torch.Tensor, want: torch.Tensor, what: str) -> None:

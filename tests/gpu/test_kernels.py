@@ -467,14 +467,24 @@ def test_prefill_with_history(group, d, dtype, kv_kind, partition_size, gen):
     check_attention(q, kv, batch, dtype, partition_size)
 
 
+@pytest.fixture(params=["mma.sync", "wgmma"])
+def prefill_mma(request):
+    """The prefill kernel on either kind of MMA (set_prefill_attention_wgmma)."""
+    cuda_ops._k.set_prefill_attention_wgmma(request.param == "wgmma")
+    assert cuda_ops._k.prefill_attention_wgmma() == (request.param == "wgmma")
+    yield request.param
+    cuda_ops._k.set_prefill_attention_wgmma(cuda_ops.PREFILL_WGMMA)
+
+
 @pytest.mark.parametrize("bs", [16, 64])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("group", [1, 4, 8])
-def test_prefill_kernel_with_history(group, d, dtype, bs, gen, monkeypatch):
-    """prefill_attention.cu (forced on whatever the grid): fresh prompts,
-    prompts after a history (Q shorter than K), decode rows beside them, row
-    counts that do not fill the last 64-row tile, 64-key tiles cut short."""
+def test_prefill_kernel_with_history(group, d, dtype, bs, gen, monkeypatch, prefill_mma):
+    """prefill_attention.cu (forced on whatever the grid), on mma.sync and on
+    wgmma: fresh prompts, prompts after a history (Q shorter than K), decode
+    rows beside them, row counts that do not fill the last 64-row tile,
+    64-key tiles cut short."""
     monkeypatch.setattr(cuda_ops, "PREFILL_ATTENTION", True)
     monkeypatch.setattr(cuda_ops, "_sm_count", lambda device: 1)
     q_lens = [1, 7, 70, 64, 129, 200]
@@ -484,7 +494,7 @@ def test_prefill_kernel_with_history(group, d, dtype, bs, gen, monkeypatch):
     check_attention(q, kv, batch, dtype)
 
 
-def test_prefill_kernel_long_prompt_and_fallbacks(gen, monkeypatch):
+def test_prefill_kernel_long_prompt_and_fallbacks(gen, monkeypatch, prefill_mma):
     """A 4k-token prompt on the prefill kernel; INT8 KV and forced
     partitions stay on attention.cu (both against the reference)."""
     monkeypatch.setattr(cuda_ops, "PREFILL_ATTENTION", True)

@@ -84,6 +84,14 @@ FP8_GEMV_MAX_ROWS = int(os.environ.get("TURBOMQ_FP8_GEMV_MAX_ROWS", "4"))
 # all of them) where the tiles outnumber the GPU's block slots; 1 until
 # measured on a GPU (TURBOMQ_FP8_GEMV_MAX_TILES=4 to try).
 FP8_GEMV_MAX_TILES = int(os.environ.get("TURBOMQ_FP8_GEMV_MAX_TILES", "1"))
+# linear_invariant's chunk sums on Hopper's wgmma (TURBOMQ_INVARIANT_WGMMA=1)
+# instead of mma.sync: both launch shapes, other bits than mma.sync's, so
+# every worker a stream may move to needs the same setting. Off until
+# measured faster on a GPU.
+INVARIANT_WGMMA = os.environ.get("TURBOMQ_INVARIANT_WGMMA", "0") == "1"
+# The prefill attention kernel (PREFILL_ATTENTION, below) on Hopper's wgmma
+# (TURBOMQ_PREFILL_WGMMA=1): a warpgroup per 64-row tile. Off until measured.
+PREFILL_WGMMA = os.environ.get("TURBOMQ_PREFILL_WGMMA", "0") == "1"
 
 
 def unavailable_reason() -> Optional[str]:
@@ -105,6 +113,8 @@ if _k is not None:
     # Programmatic dependent launch of the GEMV (TURBOMQ_PDL=0 turns it off).
     _k.set_programmatic_launch(os.environ.get("TURBOMQ_PDL", "1") != "0")
     _k.set_fp8_gemv_max_tiles(FP8_GEMV_MAX_TILES)
+    _k.set_gemm_invariant_wgmma(INVARIANT_WGMMA)
+    _k.set_prefill_attention_wgmma(PREFILL_WGMMA)
     _DTYPES = {torch.float16: _k.DType.F16, torch.bfloat16: _k.DType.BF16,
                torch.int8: _k.DType.I8, torch.float32: _k.DType.F32}
 else:
@@ -503,6 +513,7 @@ def all_reduce_peer(x: torch.Tensor, buffers: list[int], rank: int, capacity: in
 # warps) instead of attention.cu's 16-row tiles; 16-bit KV only. Off until
 # measured on a GPU: TURBOMQ_PREFILL_ATTENTION=1 turns it on.
 PREFILL_ATTENTION = os.environ.get("TURBOMQ_PREFILL_ATTENTION", "0") == "1"
+# TURBOMQ_PREFILL_WGMMA=1 runs that kernel on Hopper's wgmma (PREFILL_WGMMA).
 PREFILL_MIN_Q_LEN = 64
 
 _SM_COUNT: dict[int, int] = {}

@@ -126,65 +126,15 @@ __device__ __forceinline__ void widen(const uint4& raw, std::uint32_t* pairs) {
   }
 }
 
-// Combines the partitions of one (tile, KV head): partition q is weighted by
-// sum_q * 2^(max_q - M); partitions with no visible key (sum 0) are skipped.
-// Loads go through L2 (__ldcg): in the fused path other blocks wrote them.
+// Combines the partitions of one (tile, KV head) (paged_batch.cuh).
 template <typename T, int D>
 __device__ __forceinline__ void combine_partitions(const Params& p, const Tile& tile, int tile_idx,
                                                    int kvh) {
-  __shared__ float s_max[kRows], s_inv[kRows];
   const int parts = (tile.kmax + p.partition_size - 1) / p.partition_size;
   const std::int64_t prow0 =
       (static_cast<std::int64_t>(tile_idx) * p.num_kv_heads + kvh) * p.num_parts * kRows;
-  const float* ml = p.part_ml;
-  const float* ll = p.part_ml + p.part_rows;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  // Row r's largest max over partitions with keys, and 1 / total weight.
-  for (int r = warp; r < tile.rows; r += kWarps) {
-    float mx = -INFINITY;
-    for (int q = lane; q < parts; q += 32) {
-      const std::int64_t prow = prow0 + q * kRows + r;
-      const float lq = __ldcg(ll + prow), mq = __ldcg(ml + prow);
-      if (lq > 0.0f) mx = fmaxf(mx, mq);
-    }
-    mx = warp_max(mx);
-    float sum = 0.0f;
-    for (int q = lane; q < parts; q += 32) {
-      const std::int64_t prow = prow0 + q * kRows + r;
-      const float lq = __ldcg(ll + prow), mq = __ldcg(ml + prow);
-      if (lq > 0.0f) sum += lq * exp2f(mq - mx);
-    }
-    sum = warp_sum(sum);
-    if (lane == 0) {
-      s_max[r] = mx;
-      s_inv[r] = sum > 0.0f ? 1.0f / sum : 0.0f;
-    }
-  }
-  __syncthreads();
-  constexpr int kVec = D / 4;
-  for (int idx = threadIdx.x; idx < tile.rows * kVec; idx += kThreads) {
-    const int r = idx / kVec, c4 = idx % kVec;
-    const float mx = s_max[r];
-    float o[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll 4
-    for (int q = 0; q < parts; ++q) {
-      const std::int64_t prow = prow0 + q * kRows + r;
-      const float lq = __ldcg(ll + prow), mq = __ldcg(ml + prow);
-      const float4 v = __ldcg(reinterpret_cast<const float4*>(p.part_o + prow * D) + c4);
-      const float wt = lq > 0.0f ? lq * exp2f(mq - mx) : 0.0f;
-      o[0] += wt * v.x;
-      o[1] += wt * v.y;
-      o[2] += wt * v.z;
-      o[3] += wt * v.w;
-    }
-    const float inv = s_inv[r];
-    const int qi = (tile.row0 + r) / p.group;
-    const int head = kvh * p.group + (tile.row0 + r) % p.group;
-    T* out = static_cast<T*>(p.out) +
-             (static_cast<std::int64_t>(tile.q_start + qi) * p.num_heads + head) * D + 4 * c4;
-#pragma unroll
-    for (int e = 0; e < 4; ++e) out[e] = from_float<T>(o[e] * inv);
-  }
+  combine_partials<T, D, kRows, kThreads>(p, Partials{p.part_o, p.part_ml, p.part_rows}, prow0,
+                                          parts, tile.row0, tile.rows, tile.q_start, kvh);
 }
 
 // Lane (g = lane / 4, c = lane % 4) owns, for chunk j, dims
@@ -451,21 +401,9 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const Params 
   // Fused combine: the last partition block of this (tile, KV head) to
   // arrive reads every partial (made visible by the fence) and writes out.
   if (p.num_parts > 1 && p.counters != nullptr) {
-    __shared__ int s_last;
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      const int parts = (tile.kmax + p.partition_size - 1) / p.partition_size;
-      int* counter = p.counters + static_cast<std::int64_t>(blockIdx.x) * p.num_kv_heads + kvh;
-      const int last = atomicAdd(counter, 1) + 1 == parts;
-      if (last) atomicExch(counter, 0);  // ready for the next launch
-      s_last = last;
-    }
-    __syncthreads();
-    if (s_last) {
-      __threadfence();
-      combine_partitions<T, D>(p, tile, blockIdx.x, kvh);
-    }
+    const int parts = (tile.kmax + p.partition_size - 1) / p.partition_size;
+    int* counter = p.counters + static_cast<std::int64_t>(blockIdx.x) * p.num_kv_heads + kvh;
+    if (last_partition(counter, parts)) combine_partitions<T, D>(p, tile, blockIdx.x, kvh);
   }
 }
 

@@ -55,5 +55,94 @@ inline PagedBatch paged_batch(const AttentionArgs& a, const std::string& who) {
   return b;
 }
 
+// Split-K partials of one (tile, KV head): partition q's normalized output
+// rows at part_o[(prow0 + q * kRowsT + r) * D], its max (base 2) at
+// part_ml[prow0 + q * kRowsT + r] and its sum part_rows further on.
+struct Partials {
+  float* o;
+  float* ml;
+  std::int64_t rows;  // where the sums start in ml
+};
+
+// Combines `parts` partitions of the tile rows [0, rows) (row r is query
+// (row0 + r) / group, head kvh * group + (row0 + r) % group of the sequence
+// starting at q_start) in index order: partition q weighs sum_q *
+// 2^(max_q - M); partitions with no visible key (sum 0) are skipped. Loads go
+// through L2 (__ldcg): in the fused path other blocks wrote them. All
+// kThreadsT threads of the block call it.
+template <typename T, int D, int kRowsT, int kThreadsT>
+__device__ __forceinline__ void combine_partials(const PagedBatch& p, const Partials& part,
+                                                 std::int64_t prow0, int parts, int row0,
+                                                 int rows, int q_start, int kvh) {
+  __shared__ float s_max[kRowsT], s_inv[kRowsT];
+  const float* ml = part.ml;
+  const float* ll = part.ml + part.rows;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  // Row r's largest max over partitions with keys, and 1 / total weight.
+  for (int r = warp; r < rows; r += kThreadsT / 32) {
+    float mx = -INFINITY;
+    for (int q = lane; q < parts; q += 32) {
+      const std::int64_t prow = prow0 + q * kRowsT + r;
+      const float lq = __ldcg(ll + prow), mq = __ldcg(ml + prow);
+      if (lq > 0.0f) mx = fmaxf(mx, mq);
+    }
+    mx = warp_max(mx);
+    float sum = 0.0f;
+    for (int q = lane; q < parts; q += 32) {
+      const std::int64_t prow = prow0 + q * kRowsT + r;
+      const float lq = __ldcg(ll + prow), mq = __ldcg(ml + prow);
+      if (lq > 0.0f) sum += lq * exp2f(mq - mx);
+    }
+    sum = warp_sum(sum);
+    if (lane == 0) {
+      s_max[r] = mx;
+      s_inv[r] = sum > 0.0f ? 1.0f / sum : 0.0f;
+    }
+  }
+  __syncthreads();
+  constexpr int kVec = D / 4;
+  for (int idx = threadIdx.x; idx < rows * kVec; idx += kThreadsT) {
+    const int r = idx / kVec, c4 = idx % kVec;
+    const float mx = s_max[r];
+    float o[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll 4
+    for (int q = 0; q < parts; ++q) {
+      const std::int64_t prow = prow0 + q * kRowsT + r;
+      const float lq = __ldcg(ll + prow), mq = __ldcg(ml + prow);
+      const float4 v = __ldcg(reinterpret_cast<const float4*>(part.o + prow * D) + c4);
+      const float wt = lq > 0.0f ? lq * exp2f(mq - mx) : 0.0f;
+      o[0] += wt * v.x;
+      o[1] += wt * v.y;
+      o[2] += wt * v.z;
+      o[3] += wt * v.w;
+    }
+    const float inv = s_inv[r];
+    const int qi = (row0 + r) / p.group;
+    const int head = kvh * p.group + (row0 + r) % p.group;
+    T* out = static_cast<T*>(p.out) +
+             (static_cast<std::int64_t>(q_start + qi) * p.num_heads + head) * D + 4 * c4;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) out[e] = from_float<T>(o[e] * inv);
+  }
+}
+
+// Whether this block is the last of the `parts` blocks of its (tile, KV
+// head) to finish (an atomic counter, reset by that block so a replayed
+// graph finds it zero); its partials, and every other block's, are then
+// visible to it. Every thread calls it after writing its partials.
+__device__ __forceinline__ bool last_partition(int* counter, int parts) {
+  __shared__ int s_last;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const int last = atomicAdd(counter, 1) + 1 == parts;
+    if (last) atomicExch(counter, 0);  // ready for the next launch
+    s_last = last;
+  }
+  __syncthreads();
+  if (s_last) __threadfence();
+  return s_last;
+}
+
 }  // namespace cuda
 }  // namespace turbomq

@@ -15,9 +15,12 @@
 // context of ctx keys sees keys < ctx - n + i + 1, so history is unmasked
 // and only the last tiles need a mask. Rows of shared memory are 16-byte
 // chunks XOR-swizzled by row % 8, so an ldmatrix phase hits 8 bank groups.
-// 16-bit KV only, head_dim 64 or 128, one pass over all keys (no split-K):
-// the caller takes it for prefill whose blocks fill the GPU; INT8 KV, decode
-// and short grids stay on attention.cu.
+// 16-bit KV only, head_dim 64 or 128. Split-K over long histories: with
+// num_parts > 1, block z of a tile reads keys [z P, (z + 1) P) only and
+// writes its normalized partial rows, max and sum; the last block of the
+// tile to finish (or a second kernel) combines them in partition order, as
+// attention.cu does (paged_batch.cuh). The caller takes it for prefill
+// (Q of >= 64 rows); INT8 KV and decode stay on attention.cu.
 #include "mma.cuh"
 #include "paged_batch.cuh"
 #include "wgmma.cuh"
@@ -32,8 +35,12 @@ constexpr int kBlockRows = kPrefillTileRows;
 static_assert(kBlockRows == kWarps * 16, "a warp per 16 rows");
 constexpr int kTileKeys = 64;
 
-// Every field is the batch's (tiles: (sequence, 64-row tile) pairs).
-using Params = PagedBatch;
+// The batch's fields (tiles: (sequence, 64-row tile) pairs) and split-K's.
+struct Params : PagedBatch {
+  int partition_size, num_parts;  // keys per partition (a multiple of 64), partitions
+  Partials part;                  // num_parts > 1: [tiles][KV heads][parts][64 rows]
+  int* counters;                  // [tiles * KV heads] or null: combine in a second kernel
+};
 
 // Shared-memory byte offset of chunk c of key row `row` in a [kTileKeys][D] tile.
 template <int D>
@@ -46,6 +53,8 @@ struct Tile {
   int kvh, seq, row0, q_start, n, ctx, rows;
   int keys_first, keys_last;  // keys the first and the last row see
   int tiles;                  // 64-key K/V tiles up to keys_last
+  int parts;                  // partitions holding keys (1 without split-K)
+  int t_begin, t_end;         // this block's K/V tiles: its partition's
 };
 
 __device__ __forceinline__ Tile tile_of(const Params& p) {
@@ -60,7 +69,21 @@ __device__ __forceinline__ Tile tile_of(const Params& p) {
   b.keys_first = b.ctx - b.n + b.row0 / p.group + 1;
   b.keys_last = b.ctx - b.n + (b.row0 + b.rows - 1) / p.group + 1;
   b.tiles = (b.keys_last + kTileKeys - 1) / kTileKeys;
+  b.parts = 1;
+  b.t_begin = 0;
+  b.t_end = b.tiles;
+  if (p.num_parts > 1) {
+    const int per_part = p.partition_size / kTileKeys;
+    b.parts = (b.keys_last + p.partition_size - 1) / p.partition_size;
+    b.t_begin = blockIdx.z * per_part;
+    b.t_end = min(b.t_begin + per_part, b.tiles);
+  }
   return b;
+}
+
+// Row index of the tile's partition q, row 0 in the partials.
+__device__ __forceinline__ std::int64_t partial_row0(const Params& p, int tile_idx, int kvh) {
+  return (static_cast<std::int64_t>(tile_idx) * p.num_kv_heads + kvh) * p.num_parts * kBlockRows;
 }
 
 // Row r of the tile: its key limit (0: an unused row, every key masked) and
@@ -174,6 +197,46 @@ __device__ __forceinline__ void store_rows(const Params& p, const Tile& b,
   }
 }
 
+// The block's rows done: stored, or (split-K) written as partition
+// blockIdx.z's partials, normalized, with max and sum; the last partition
+// block of the tile to finish combines them.
+template <typename T, int D>
+__device__ __forceinline__ void finish_rows(const Params& p, const Tile& b,
+                                            const float (&o)[D / 8][4], const float (&m)[2],
+                                            const float (&l)[2], int warp_row, int g, int c) {
+  if (p.num_parts == 1) {
+    store_rows<T, D>(p, b, o, l, warp_row, g, c);
+    return;
+  }
+  const std::int64_t prow0 = partial_row0(p, blockIdx.x, b.kvh);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float sum = l[h];
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    const int r = warp_row + g + 8 * h;
+    if (r >= b.rows) continue;
+    const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+    const std::int64_t prow = prow0 + blockIdx.z * kBlockRows + r;
+    float* dst = p.part.o + prow * D + 2 * c;
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j) {
+      __stcg(reinterpret_cast<float2*>(dst + 8 * j),
+             make_float2(o[j][2 * h] * inv, o[j][2 * h + 1] * inv));
+    }
+    if (c == 0) {
+      p.part.ml[prow] = m[h];
+      p.part.ml[p.part.rows + prow] = sum;
+    }
+  }
+  if (p.counters == nullptr) return;
+  int* counter = p.counters + static_cast<std::int64_t>(blockIdx.x) * p.num_kv_heads + b.kvh;
+  if (last_partition(counter, b.parts)) {
+    combine_partials<T, D, kBlockRows, kThreads>(p, p.part, prow0, b.parts, b.row0, b.rows,
+                                                 b.q_start, b.kvh);
+  }
+}
+
 template <typename T, int D>
 __global__ void __launch_bounds__(kThreads) prefill_attention_kernel(const Params p) {
   constexpr int kChunks = D / 8;      // 16-byte chunks per key row
@@ -186,6 +249,7 @@ __global__ void __launch_bounds__(kThreads) prefill_attention_kernel(const Param
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, c = lane % 4;
   const Tile b = tile_of(p);
+  if (static_cast<int>(blockIdx.z) >= b.parts) return;  // a partition past the tile's keys
   const int* table = p.block_tables + static_cast<std::int64_t>(b.seq) * p.max_blocks;
   const std::uint32_t smem_base = static_cast<std::uint32_t>(__cvta_generic_to_shared(smem));
   auto load_tile = [&](int tile, int stage) {
@@ -200,7 +264,7 @@ __global__ void __launch_bounds__(kThreads) prefill_attention_kernel(const Param
     }
     cp_async_commit();
   };
-  if (b.tiles > 0) load_tile(0, 0);
+  if (b.t_begin < b.t_end) load_tile(b.t_begin, 0);
 
   // This lane's rows: g and g + 8 of the warp's 16; their key limits and Q
   // fragments.
@@ -226,15 +290,16 @@ __global__ void __launch_bounds__(kThreads) prefill_attention_kernel(const Param
   float l[2] = {0.0f, 0.0f};
   const int mat = lane / 8, mrow = lane % 8;  // this lane's ldmatrix row address
 
-  for (int t = 0; t < b.tiles; ++t) {
-    if (t + 1 < b.tiles) {
-      load_tile(t + 1, (t + 1) & 1);
+  for (int t = b.t_begin; t < b.t_end; ++t) {
+    const int stage = (t - b.t_begin) & 1;
+    if (t + 1 < b.t_end) {
+      load_tile(t + 1, stage ^ 1);
       cp_async_wait<1>();
     } else {
       cp_async_wait<0>();
     }
     __syncthreads();
-    const std::uint32_t k_tile = smem_base + (t & 1) * 2 * kTileBytes;
+    const std::uint32_t k_tile = smem_base + stage * 2 * kTileBytes;
     const std::uint32_t v_tile = k_tile + kTileBytes;
 
     // S = Q K^T over this tile's 64 keys.
@@ -278,7 +343,7 @@ __global__ void __launch_bounds__(kThreads) prefill_attention_kernel(const Param
     }
     __syncthreads();  // every warp is done with this stage before it is refilled
   }
-  store_rows<T, D>(p, b, o, l, warp * 16, g, c);
+  finish_rows<T, D>(p, b, o, m, l, warp * 16, g, c);
 }
 
 // The same tile on Hopper's wgmma: the block's four warps are one
@@ -309,6 +374,7 @@ __global__ void __launch_bounds__(kThreads) prefill_attention_wgmma_kernel(const
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, c = lane % 4;
   const Tile b = tile_of(p);
+  if (static_cast<int>(blockIdx.z) >= b.parts) return;  // a partition past the tile's keys
   const int* table = p.block_tables + static_cast<std::int64_t>(b.seq) * p.max_blocks;
   const std::uint32_t q_base =
       (static_cast<std::uint32_t>(__cvta_generic_to_shared(smem)) + 1023u) & ~1023u;
@@ -337,8 +403,8 @@ __global__ void __launch_bounds__(kThreads) prefill_attention_wgmma_kernel(const
     cp_async16(q_base + panel_offset(r, ch), src ? src + ch * 8 : static_cast<const T*>(p.q),
                src != nullptr);
   }
-  if (b.tiles > 0) {
-    load_tile(0, 0);
+  if (b.t_begin < b.t_end) {
+    load_tile(b.t_begin, 0);
   } else {
     cp_async_commit();
   }
@@ -356,16 +422,17 @@ __global__ void __launch_bounds__(kThreads) prefill_attention_wgmma_kernel(const
   float l[2] = {0.0f, 0.0f};
   const std::uint64_t q_desc = wgmma_desc(q_base);
 
-  for (int t = 0; t < b.tiles; ++t) {
-    if (t + 1 < b.tiles) {
-      load_tile(t + 1, (t + 1) & 1);
+  for (int t = b.t_begin; t < b.t_end; ++t) {
+    const int stage = (t - b.t_begin) & 1;
+    if (t + 1 < b.t_end) {
+      load_tile(t + 1, stage ^ 1);
       cp_async_wait<1>();
     } else {
       cp_async_wait<0>();
     }
     fence_proxy_async();  // the cp.async data, to the MMAs' (async) proxy
     __syncthreads();
-    const std::uint32_t k_tile = kv_base + (t & 1) * 2 * kTileBytes;
+    const std::uint32_t k_tile = kv_base + stage * 2 * kTileBytes;
     const std::uint64_t k_desc = wgmma_desc(k_tile);
     const std::uint64_t v_desc = wgmma_desc_mn(k_tile + kTileBytes, kPanelBytes);
 
@@ -404,13 +471,22 @@ __global__ void __launch_bounds__(kThreads) prefill_attention_wgmma_kernel(const
     __syncthreads();  // every warp is done with this stage before it is refilled
   }
   cp_async_wait<0>();  // Q's copy, when there was no tile to wait for
-  store_rows<T, D>(p, b, o, l, warp * 16, g, c);
+  finish_rows<T, D>(p, b, o, m, l, warp * 16, g, c);
+}
+
+// One block per (tile, KV head): split-K's combine as a second launch.
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads) prefill_combine_kernel(const Params p) {
+  const Tile b = tile_of(p);
+  combine_partials<T, D, kBlockRows, kThreads>(p, p.part, partial_row0(p, blockIdx.x, b.kvh),
+                                               b.parts, b.row0, b.rows, b.q_start, b.kvh);
 }
 
 bool g_wgmma = false;  // set_prefill_attention_wgmma
 
 template <typename T, int D>
-void launch(const Params& p, int num_tiles, cudaStream_t s) {
+void launch_tiles(const Params& p, int num_tiles, cudaStream_t s) {
+  const dim3 grid(num_tiles, p.num_kv_heads, p.num_parts);
   if (g_wgmma) {
     constexpr int kSmem = wgmma_smem_bytes<D>();
     static bool opted_in = false;
@@ -420,8 +496,7 @@ void launch(const Params& p, int num_tiles, cudaStream_t s) {
                  "prefill_attention: shared memory opt-in");
       opted_in = true;
     }
-    prefill_attention_wgmma_kernel<T, D>
-        <<<dim3(num_tiles, p.num_kv_heads), kThreads, kSmem, s>>>(p);
+    prefill_attention_wgmma_kernel<T, D><<<grid, kThreads, kSmem, s>>>(p);
     check_launch("prefill_attention_wgmma_kernel");
     return;
   }
@@ -433,8 +508,17 @@ void launch(const Params& p, int num_tiles, cudaStream_t s) {
                "prefill_attention: shared memory opt-in");
     opted_in = true;
   }
-  prefill_attention_kernel<T, D><<<dim3(num_tiles, p.num_kv_heads), kThreads, kSmem, s>>>(p);
+  prefill_attention_kernel<T, D><<<grid, kThreads, kSmem, s>>>(p);
   check_launch("prefill_attention_kernel");
+}
+
+template <typename T, int D>
+void launch(const Params& p, int num_tiles, cudaStream_t s) {
+  launch_tiles<T, D>(p, num_tiles, s);
+  if (p.num_parts > 1 && p.counters == nullptr) {
+    prefill_combine_kernel<T, D><<<dim3(num_tiles, p.num_kv_heads), kThreads, 0, s>>>(p);
+    check_launch("prefill_combine_kernel");
+  }
 }
 
 }  // namespace
@@ -445,7 +529,18 @@ bool prefill_attention_wgmma() { return g_wgmma; }
 void prefill_attention(const AttentionArgs& a) {
   require(a.cache_dtype == a.dtype, "prefill_attention: the cache must be 16-bit, q's dtype");
   require(a.tiles != 0, "prefill_attention: takes a tile list");
-  const Params p = paged_batch(a, "prefill_attention");
+  require(a.num_parts >= 1 && a.num_parts <= 65535, "prefill_attention: bad num_parts");
+  require(a.num_parts == 1 || (a.partition_size > 0 && a.partition_size % kTileKeys == 0 &&
+                               a.part_o != 0 && a.part_ml != 0),
+          "prefill_attention: split-K needs partitions of a multiple of 64 keys and buffers");
+  Params p{};
+  static_cast<PagedBatch&>(p) = paged_batch(a, "prefill_attention");
+  p.num_parts = a.num_parts;
+  p.partition_size = a.num_parts > 1 ? a.partition_size : 0;
+  p.part = Partials{reinterpret_cast<float*>(a.part_o), reinterpret_cast<float*>(a.part_ml),
+                    static_cast<std::int64_t>(a.num_tiles) * a.num_kv_heads * a.num_parts *
+                        kBlockRows};
+  p.counters = a.num_parts > 1 ? reinterpret_cast<int*>(a.counters) : nullptr;
   if (a.num_tiles == 0) return;
   cudaStream_t s = as_stream(a.stream);
   const bool f16 = a.dtype == DType::kF16;

@@ -494,6 +494,27 @@ def test_prefill_kernel_with_history(group, d, dtype, bs, gen, monkeypatch, pref
     check_attention(q, kv, batch, dtype)
 
 
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("group", [1, 4])
+def test_prefill_kernel_split_over_keys(group, fused, gen, monkeypatch, prefill_mma):
+    """Split-K in the prefill kernel (a turn on a long session, few tiles):
+    partitions of 64 keys and more, a last one cut short, partitions past a
+    tile's keys, combined in the last block or in a second kernel."""
+    monkeypatch.setattr(cuda_ops, "PREFILL_ATTENTION", True)
+    monkeypatch.setattr(cuda_ops, "PREFILL_MIN_PARTITION", 64)
+    monkeypatch.setattr(cuda_ops, "_sm_count", lambda device: 4096)
+    q_lens = [128, 64, 70, 200]
+    hist = [8000, 1000, 5, 300]
+    ctx = [n + h for n, h in zip(q_lens, hist)]
+    q, kv, batch = make_attention_case(q_lens, ctx, 2, group, 128, 16, torch.bfloat16,
+                                       torch.bfloat16, gen)
+    nkv = 2
+    tiles, num_tiles = cuda_ops._tiles(batch, group, q.device, cuda_ops._k.PREFILL_TILE_ROWS)
+    _, parts = cuda_ops.plan_prefill_partitions(num_tiles * nkv, batch.max_context_len, 4096)
+    assert parts > 8
+    check_attention(q, kv, batch, torch.bfloat16, fused_combine=fused)
+
+
 def test_prefill_kernel_long_prompt_and_fallbacks(gen, monkeypatch, prefill_mma):
     """A 4k-token prompt on the prefill kernel; INT8 KV and forced
     partitions stay on attention.cu (both against the reference)."""

@@ -113,3 +113,19 @@ def test_linear_invariant_silu_cpu_fallback():
         assert cuda_ops.linear_invariant(x, w, silu=True, out=out) is out
         assert torch.equal(out, want)
         assert torch.equal(InvariantOps(ref).linear(x, w, silu=True), want)
+
+
+def test_prefill_partitions_split_only_what_does_not_fill_the_gpu():
+    """The prefill kernel splits over keys only when its blocks would not
+    fill the GPU twice over, into partitions of >= PREFILL_MIN_PARTITION keys
+    (multiples of 64) that cover the longest context."""
+    from turbomq.worker.model.ops import cuda as cuda_ops
+
+    plan = cuda_ops.plan_prefill_partitions
+    assert plan(264, 8192, 132) == (0, 1)  # a long fresh prompt: its tiles fill the GPU
+    assert plan(1000, 100, 132) == (0, 1)
+    size, parts = plan(64, 8320, 132)  # a 128-token turn on an 8k session, 8 KV heads
+    assert parts > 1 and size % 64 == 0 and size >= cuda_ops.PREFILL_MIN_PARTITION
+    assert (parts - 1) * size < 8320 <= parts * size
+    assert 64 * parts >= 2 * 132 or size == cuda_ops.PREFILL_MIN_PARTITION
+    assert plan(64, 300, 132) == (0, 1)  # too few keys to split into 512-key parts

@@ -507,14 +507,16 @@ def all_reduce_peer(x: torch.Tensor, buffers: list[int], rank: int, capacity: in
 
 
 # ----------------------------------------------------------- attention
-# Prefill whose 64-row tiles alone fill the GPU (tiles x KV heads >= SMs) and
-# whose longest new-token run is at least PREFILL_MIN_Q_LEN runs
-# native/cuda/prefill_attention.cu (K/V tiles in shared memory, shared by four
-# warps) instead of attention.cu's 16-row tiles; 16-bit KV only. Off until
-# measured on a GPU: TURBOMQ_PREFILL_ATTENTION=1 turns it on.
+# Prefill whose longest new-token run is at least PREFILL_MIN_Q_LEN runs
+# native/cuda/prefill_attention.cu (64-row tiles, K/V tiles in shared memory
+# shared by four warps) instead of attention.cu's 16-row tiles, split over the
+# keys where its tiles alone would not fill the GPU (plan_prefill_partitions);
+# 16-bit KV only. Off until measured on a GPU: TURBOMQ_PREFILL_ATTENTION=1
+# turns it on.
 PREFILL_ATTENTION = os.environ.get("TURBOMQ_PREFILL_ATTENTION", "0") == "1"
 # TURBOMQ_PREFILL_WGMMA=1 runs that kernel on Hopper's wgmma (PREFILL_WGMMA).
 PREFILL_MIN_Q_LEN = 64
+PREFILL_MIN_PARTITION = 512  # keys per split-K partition of the prefill kernel, at least
 
 _SM_COUNT: dict[int, int] = {}
 
@@ -588,6 +590,22 @@ def plan_partitions(blocks: int, max_context: int, sm_count: int,
     return partition_size, -(-max_context // partition_size)
 
 
+def plan_prefill_partitions(blocks: int, max_context: int, sm_count: int) -> tuple[int, int]:
+    """(partition_size, num_parts) for the prefill kernel: one partition when
+    its (64-row tile, KV head) blocks fill the GPU twice over (two blocks fit
+    an SM), else enough partitions to, each of at least
+    PREFILL_MIN_PARTITION keys (a 128-token turn on a long session)."""
+    align = _k.ATTENTION_PARTITION_ALIGN if _k is not None else 64
+    blocks, max_context = max(1, blocks), max(1, max_context)
+    parts = -(-2 * sm_count // blocks)
+    if parts <= 1:
+        return 0, 1
+    size = max(PREFILL_MIN_PARTITION, -(-max_context // parts))
+    size = -(-size // align) * align
+    parts = -(-max_context // size)
+    return (size, parts) if parts > 1 else (0, 1)
+
+
 def _attention_native(q: torch.Tensor, kv: LayerKV) -> bool:
     bs = kv.block_size
     return (_native_ok(q, kv.k) and q.dtype in _HALF and kv.k.dtype in (q.dtype, torch.int8)
@@ -617,31 +635,39 @@ def paged_attention(q: torch.Tensor, kv: LayerKV, batch: AttentionBatch, scale: 
     if (PREFILL_ATTENTION and kv.k_scale is None and batch.max_q_len >= PREFILL_MIN_Q_LEN
             and partition_size is None and not always_combine):
         tiles, num_tiles = _tiles(batch, nh // nkv, q.device, _k.PREFILL_TILE_ROWS)
-        if num_tiles * nkv >= _sm_count(q.device):  # enough blocks without split-K
-            return _launch_attention(out, q, kv, batch, scale, tiles, num_tiles, 0, 1, (0, 0),
-                                     None, prefill=True)
+        part_size, parts = plan_prefill_partitions(num_tiles * nkv, batch.max_context_len,
+                                                   _sm_count(q.device))
+        partials, counters = _partials(q.device, num_tiles * nkv, parts,
+                                       _k.PREFILL_TILE_ROWS, d, fused_combine)
+        return _launch_attention(out, q, kv, batch, scale, tiles, num_tiles, part_size, parts,
+                                 partials, counters, prefill=True)
     tiles, num_tiles = _tiles(batch, nh // nkv, q.device)
     part_size, parts = plan_partitions(num_tiles * nkv, batch.max_context_len,
                                        _sm_count(q.device), partition_size,
                                        int8=kv.k.dtype == torch.int8)
     if always_combine:
         parts = max(parts, 2)  # the second partition holds no key: the combine skips it
-    rows = _k.ATTENTION_TILE_ROWS
-    if parts > 1:
-        part_o = torch.empty(num_tiles * nkv * parts * rows * d, dtype=torch.float32, device=q.device)
-        part_ml = torch.empty(2 * num_tiles * nkv * parts * rows, dtype=torch.float32,
-                              device=q.device)
-        part_ptrs = (part_o.data_ptr(), part_ml.data_ptr())
-        fused = FUSED_SPLITK_COMBINE if fused_combine is None else fused_combine
-        counters = _counters(q.device, num_tiles * nkv) if fused else None
-    else:
-        part_ptrs = (0, 0)
-        counters = None
+    partials, counters = _partials(q.device, num_tiles * nkv, parts, _k.ATTENTION_TILE_ROWS, d,
+                                   fused_combine)
     return _launch_attention(out, q, kv, batch, scale, tiles, num_tiles, part_size, parts,
-                             part_ptrs, counters)
+                             partials, counters)
 
 
-def _launch_attention(out, q, kv, batch, scale, tiles, num_tiles, part_size, parts, part_ptrs,
+def _partials(device: torch.device, blocks: int, parts: int, rows: int, d: int,
+              fused_combine: Optional[bool]):
+    """Split-K's buffers for `blocks` (tile, KV head) pairs of `rows` rows:
+    ((partial outputs, maxima and sums), counters or None); None for one
+    partition. The caller holds them until the launch is queued (then the
+    caching allocator hands their memory only to later work on the stream)."""
+    if parts <= 1:
+        return None, None
+    part_o = torch.empty(blocks * parts * rows * d, dtype=torch.float32, device=device)
+    part_ml = torch.empty(2 * blocks * parts * rows, dtype=torch.float32, device=device)
+    fused = FUSED_SPLITK_COMBINE if fused_combine is None else fused_combine
+    return (part_o, part_ml), _counters(device, blocks) if fused else None
+
+
+def _launch_attention(out, q, kv, batch, scale, tiles, num_tiles, part_size, parts, partials,
                       counters, prefill: bool = False) -> torch.Tensor:
     t, nh, d = q.shape
     if out is None:
@@ -657,7 +683,8 @@ def _launch_attention(out, q, kv, batch, scale, tiles, num_tiles, part_size, par
             kv.v_scale.data_ptr() if quant else 0, tables.data_ptr(), tables.shape[1],
             batch.cu_q_lens.data_ptr(), batch.context_lens.data_ptr(),
             0 if tiles is None else tiles.data_ptr(), num_tiles, nh, kv.k.shape[1], d,
-            kv.block_size, float(scale), part_size, parts, part_ptrs[0], part_ptrs[1],
+            kv.block_size, float(scale), part_size, parts,
+            *((0, 0) if partials is None else (t.data_ptr() for t in partials)),
             _DTYPES[q.dtype], _DTYPES[kv.k.dtype], _stream(q),
             0 if counters is None else counters.data_ptr(), prefill)
     return out

@@ -7,6 +7,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <cstddef>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
@@ -26,6 +27,18 @@ inline void check_cuda(cudaError_t err, const char* what) {
 // A launch reports configuration errors through the last error; asynchronous
 // faults surface at the next synchronizing call.
 inline void check_launch(const char* kernel) { check_cuda(cudaGetLastError(), kernel); }
+
+// Opts `kernel` in to `bytes` of dynamic shared memory (past 48 KiB, static
+// shared memory included, a launch needs it), once: `done` is the caller's
+// flag for this kernel instantiation.
+template <typename K>
+void opt_in_smem(K kernel, std::size_t bytes, bool& done, const char* what) {
+  if (done) return;
+  check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  static_cast<int>(bytes)),
+             what);
+  done = true;
+}
 
 inline void require(bool ok, const std::string& what) {
   if (!ok) throw std::invalid_argument(what);

@@ -561,14 +561,6 @@ __global__ void __launch_bounds__(kThreads) gemm_fold_kernel(const Params p) {
   fold_partials<T, MT>(p, blockIdx.y, blockIdx.x);
 }
 
-template <typename K>
-void opt_in_smem(K kernel, int bytes, bool& done) {
-  if (done) return;
-  check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes),
-             "gemm_invariant: shared memory opt-in");
-  done = true;
-}
-
 template <typename T, int MT, bool kWg>
 void launch(Params p, bool split, cudaStream_t stream) {
   using S = Shape<MT, kWg>;
@@ -576,7 +568,7 @@ void launch(Params p, bool split, cudaStream_t stream) {
   if (!split) {
     auto kernel = gemm_tiled_kernel<T, MT, kWg>;
     static bool opted_in = false;  // per instantiation, as gemv
-    opt_in_smem(kernel, S::kSmemBytes, opted_in);
+    opt_in_smem(kernel, S::kSmemBytes, opted_in, "gemm_invariant: shared memory opt-in");
     const std::int64_t blocks = static_cast<std::int64_t>(p.m_tiles) * p.n_tiles;
     kernel<<<static_cast<unsigned>(blocks), kThreads, S::kSmemBytes, stream>>>(p);
     check_launch("gemm_tiled_kernel");
@@ -584,7 +576,7 @@ void launch(Params p, bool split, cudaStream_t stream) {
   }
   auto kernel = gemm_split_kernel<T, MT, kWg>;
   static bool opted_in = false;
-  opt_in_smem(kernel, S::kSmemBytes, opted_in);
+  opt_in_smem(kernel, S::kSmemBytes, opted_in, "gemm_invariant: shared memory opt-in");
   kernel<<<dim3(p.chunks, p.n_tiles, p.m_tiles), kThreads, S::kSmemBytes, stream>>>(p);
   check_launch("gemm_split_kernel");
   if (p.counters == nullptr) {

@@ -496,19 +496,10 @@ bool g_programmatic_launch = true;
 // Launches `kernel` as a programmatic dependent (where on) with `smem` bytes
 // of dynamic shared memory; the first launch opts the kernel in to
 // `max_smem` (past 48 KiB, static shared memory included, a launch needs it).
-template <typename K>
-void opt_in(K kernel, std::size_t max_smem, bool& opted_in) {
-  if (opted_in) return;
-  check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                  static_cast<int>(max_smem)),
-             "gemv: shared memory opt-in");
-  opted_in = true;
-}
-
 template <typename K, typename A>
 void launch(K kernel, const A& a, int blocks, int threads, std::size_t smem, std::size_t max_smem,
             bool& opted_in, cudaStream_t s, const char* name) {
-  opt_in(kernel, max_smem, opted_in);
+  opt_in_smem(kernel, max_smem, opted_in, "gemv: shared memory opt-in");
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(blocks);
   cfg.blockDim = dim3(threads);
@@ -560,7 +551,8 @@ void launch_gemv_fp8_w(GemvArgs<T, Fp8> a, cudaStream_t s) {
   auto kernel = gemv_fp8_kernel<T, M, W, P, E>;
   const std::size_t smem = static_cast<std::size_t>(M) * a.k_in * (sizeof(T) + 1);
   const int tiles = (a.n_out + kCols - 1) / kCols;
-  opt_in(kernel, kGemvFp8SmemBytes, opted_in);  // before the occupancy query
+  opt_in_smem(kernel, kGemvFp8SmemBytes, opted_in,
+              "gemv: shared memory opt-in");  // before the occupancy query
   a.tiles_per_block = fp8_tiles_per_block(kernel, tiles, W * 32, smem);
   launch(kernel, a, (tiles + a.tiles_per_block - 1) / a.tiles_per_block, W * 32, smem,
          kGemvFp8SmemBytes, opted_in, s, "gemv_fp8_kernel");

@@ -171,44 +171,38 @@ __device__ __forceinline__ void p_fragment(const float (&s)[kTileKeys / 8][4], i
   pa[3] = pack_pair<T>(s[2 * k2 + 1][2], s[2 * k2 + 1][3]);
 }
 
-// Normalize and store this lane's rows: element e of block j is dim
-// 8 j + 2 c + (e & 1) of row warp_row + g (e < 2) or + 8.
-template <typename T, int D>
-__device__ __forceinline__ void store_rows(const Params& p, const Tile& b,
-                                           const float (&o)[D / 8][4], const float (&l)[2],
-                                           int warp_row, int g, int c) {
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    float sum = l[h];
-    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-    const int r = warp_row + g + 8 * h;
-    if (r >= b.rows) continue;
-    const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-    const int qi = (b.row0 + r) / p.group;
-    const int head = b.kvh * p.group + (b.row0 + r) % p.group;
-    T* dst = static_cast<T*>(p.out) +
-             (static_cast<std::int64_t>(b.q_start + qi) * p.num_heads + head) * D + 2 * c;
-#pragma unroll
-    for (int j = 0; j < D / 8; ++j) {
-      *reinterpret_cast<std::uint32_t*>(dst + 8 * j) =
-          pack_pair<T>(o[j][2 * h] * inv, o[j][2 * h + 1] * inv);
-    }
+// Waits for K/V tile t (of this block's [t_begin, t_end)) and starts tile
+// t + 1 into the other stage; returns t's stage.
+template <typename Load>
+__device__ __forceinline__ int await_tile(const Tile& b, int t, const Load& load_tile) {
+  const int stage = (t - b.t_begin) & 1;
+  if (t + 1 < b.t_end) {
+    load_tile(t + 1, stage ^ 1);
+    cp_async_wait<1>();
+  } else {
+    cp_async_wait<0>();
   }
+  return stage;
 }
 
-// The block's rows done: stored, or (split-K) written as partition
-// blockIdx.z's partials, normalized, with max and sum; the last partition
-// block of the tile to finish combines them.
+template <int D>
+__device__ __forceinline__ void zero(float (&o)[D / 8][4]) {
+#pragma unroll
+  for (int j = 0; j < D / 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) o[j][e] = 0.0f;
+}
+
+// The block's rows done (element e of O block j is dim 8 j + 2 c + (e & 1)
+// of row warp_row + g (e < 2) or + 8), normalized: stored, or with split-K
+// written as partition blockIdx.z's partials with their max and sum, the
+// last partition block of the tile to finish combining them.
 template <typename T, int D>
 __device__ __forceinline__ void finish_rows(const Params& p, const Tile& b,
                                             const float (&o)[D / 8][4], const float (&m)[2],
                                             const float (&l)[2], int warp_row, int g, int c) {
-  if (p.num_parts == 1) {
-    store_rows<T, D>(p, b, o, l, warp_row, g, c);
-    return;
-  }
-  const std::int64_t prow0 = partial_row0(p, blockIdx.x, b.kvh);
+  const bool split = p.num_parts > 1;
+  const std::int64_t prow0 = split ? partial_row0(p, blockIdx.x, b.kvh) : 0;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     float sum = l[h];
@@ -217,6 +211,18 @@ __device__ __forceinline__ void finish_rows(const Params& p, const Tile& b,
     const int r = warp_row + g + 8 * h;
     if (r >= b.rows) continue;
     const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+    if (!split) {
+      const int qi = (b.row0 + r) / p.group;
+      const int head = b.kvh * p.group + (b.row0 + r) % p.group;
+      T* dst = static_cast<T*>(p.out) +
+               (static_cast<std::int64_t>(b.q_start + qi) * p.num_heads + head) * D + 2 * c;
+#pragma unroll
+      for (int j = 0; j < D / 8; ++j) {
+        *reinterpret_cast<std::uint32_t*>(dst + 8 * j) =
+            pack_pair<T>(o[j][2 * h] * inv, o[j][2 * h + 1] * inv);
+      }
+      continue;
+    }
     const std::int64_t prow = prow0 + blockIdx.z * kBlockRows + r;
     float* dst = p.part.o + prow * D + 2 * c;
 #pragma unroll
@@ -229,7 +235,7 @@ __device__ __forceinline__ void finish_rows(const Params& p, const Tile& b,
       p.part.ml[p.part.rows + prow] = sum;
     }
   }
-  if (p.counters == nullptr) return;
+  if (!split || p.counters == nullptr) return;
   int* counter = p.counters + static_cast<std::int64_t>(blockIdx.x) * p.num_kv_heads + b.kvh;
   if (last_partition(counter, b.parts)) {
     combine_partials<T, D, kBlockRows, kThreads>(p, p.part, prow0, b.parts, b.row0, b.rows,
@@ -282,22 +288,13 @@ __global__ void __launch_bounds__(kThreads) prefill_attention_kernel(const Param
   }
 
   float o[kDimBlocks][4];
-#pragma unroll
-  for (int j = 0; j < kDimBlocks; ++j)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) o[j][e] = 0.0f;
+  zero<D>(o);
   float m[2] = {-INFINITY, -INFINITY};
   float l[2] = {0.0f, 0.0f};
   const int mat = lane / 8, mrow = lane % 8;  // this lane's ldmatrix row address
 
   for (int t = b.t_begin; t < b.t_end; ++t) {
-    const int stage = (t - b.t_begin) & 1;
-    if (t + 1 < b.t_end) {
-      load_tile(t + 1, stage ^ 1);
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
+    const int stage = await_tile(b, t, load_tile);
     __syncthreads();
     const std::uint32_t k_tile = smem_base + stage * 2 * kTileBytes;
     const std::uint32_t v_tile = k_tile + kTileBytes;
@@ -414,22 +411,13 @@ __global__ void __launch_bounds__(kThreads) prefill_attention_wgmma_kernel(const
   for (int h = 0; h < 2; ++h) row_q<T>(p, b, warp * 16 + g + 8 * h, limit[h]);
 
   float o[D / 8][4];
-#pragma unroll
-  for (int j = 0; j < D / 8; ++j)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) o[j][e] = 0.0f;
+  zero<D>(o);
   float m[2] = {-INFINITY, -INFINITY};
   float l[2] = {0.0f, 0.0f};
   const std::uint64_t q_desc = wgmma_desc(q_base);
 
   for (int t = b.t_begin; t < b.t_end; ++t) {
-    const int stage = (t - b.t_begin) & 1;
-    if (t + 1 < b.t_end) {
-      load_tile(t + 1, stage ^ 1);
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
+    const int stage = await_tile(b, t, load_tile);
     fence_proxy_async();  // the cp.async data, to the MMAs' (async) proxy
     __syncthreads();
     const std::uint32_t k_tile = kv_base + stage * 2 * kTileBytes;
@@ -490,24 +478,16 @@ void launch_tiles(const Params& p, int num_tiles, cudaStream_t s) {
   if (g_wgmma) {
     constexpr int kSmem = wgmma_smem_bytes<D>();
     static bool opted_in = false;
-    if (!opted_in) {
-      check_cuda(cudaFuncSetAttribute(prefill_attention_wgmma_kernel<T, D>,
-                                      cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem),
-                 "prefill_attention: shared memory opt-in");
-      opted_in = true;
-    }
+    opt_in_smem(prefill_attention_wgmma_kernel<T, D>, kSmem, opted_in,
+                "prefill_attention: shared memory opt-in");
     prefill_attention_wgmma_kernel<T, D><<<grid, kThreads, kSmem, s>>>(p);
     check_launch("prefill_attention_wgmma_kernel");
     return;
   }
   constexpr int kSmem = 2 * 2 * kTileKeys * D * 2;  // two stages of K and V
   static bool opted_in = false;
-  if (!opted_in) {
-    check_cuda(cudaFuncSetAttribute(prefill_attention_kernel<T, D>,
-                                    cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem),
-               "prefill_attention: shared memory opt-in");
-    opted_in = true;
-  }
+  opt_in_smem(prefill_attention_kernel<T, D>, kSmem, opted_in,
+              "prefill_attention: shared memory opt-in");
   prefill_attention_kernel<T, D><<<grid, kThreads, kSmem, s>>>(p);
   check_launch("prefill_attention_kernel");
 }

@@ -5,11 +5,14 @@ converted to FP8 at load (`quantization="fp8"`).
 Figures, per mode: batch-1 decode tok/s (128-token prompt, 256 generated)
 and offline ShareGPT-like output tok/s (N requests submitted at once); and,
 on the real SmolLM2-135M-Instruct, the FP8 logits' error against bf16 over
-the fixed prompt set of tests/model/test_fp8.py (top-1 agreement, KL).
+the fixed prompt set of tests/model/test_fp8.py (top-1 agreement, KL). A
+profile of one eager 128-token prefill per mode shows where the time to
+first token goes.
 
     python benchmarks/gpu_fp8.py --out DIR [--requests 1000]
 
-Writes fp8.md and fp8.json into DIR (copy them to docs/benchmarks/)."""
+Writes fp8.md, fp8.json and fp8_prefill_profile.txt into DIR (copy them to
+docs/benchmarks/)."""
 
 from __future__ import annotations
 
@@ -23,9 +26,10 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
-from gpu_engine import (LLAMA3_8B, ab_arguments, ab_engine, ab_speed_rows, ceilings,  # noqa: E402
-                        random_tensors, sharegpt_like, speeds)
+from gpu_engine import (GREEDY, LLAMA3_8B, ab_arguments, ab_engine, ab_speed_rows,  # noqa: E402
+                        ceilings, random_tensors, sharegpt_like, speeds, sync_time)
 
+from turbomq.worker import SamplingParams  # noqa: E402
 from turbomq.worker.model.catalog import FetchError  # noqa: E402
 from turbomq.worker.model.llama import LlamaModel  # noqa: E402
 
@@ -53,6 +57,22 @@ def real_model_error() -> dict:
     return {"top1_agreement": agree / total, "positions": total, "kl_per_prompt": kls}
 
 
+def prefill_profile(engine, label: str) -> str:
+    """The top kernels (CUDA time) and the wall time of one eager 128-token
+    prefill: where a mode's time to first token goes."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    params = SamplingParams(max_tokens=1, **GREEDY)
+    prompt = list(range(2000, 2128))
+    engine.generate(input_ids=[prompt], params=params)  # warm
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = sync_time()
+        engine.generate(input_ids=[prompt], params=params)
+        wall = (sync_time() - t0) * 1e3
+    return (f"{label}: one 128-token prefill, {wall:.1f} ms wall (profiled)\n"
+            + prof.key_averages().table(sort_by="cuda_time_total", row_limit=14))
+
+
 def main() -> None:
     args = ab_arguments(__doc__.split("\n\n")[0])
     cfg = LLAMA3_8B
@@ -60,6 +80,7 @@ def main() -> None:
     work = sharegpt_like(args.requests)
     results = {"device": torch.cuda.get_device_name(), "requests": args.requests,
                "ceilings": ceilings(), "modes": {}}
+    profiles = []
     for name, quant in (("bf16", None), ("fp8", "fp8")):
         model = LlamaModel(cfg, tensors, "cuda", torch.bfloat16, quantization=quant)
         if quant is not None:
@@ -68,6 +89,7 @@ def main() -> None:
         engine = ab_engine(model, args.max_batch_size, quantization=quant)
         r = speeds(engine, cfg, results["ceilings"], work if args.requests else [], name)
         results["modes"][name] = r
+        profiles.append(prefill_profile(engine, name))
         engine.close()
         del engine, model
         gc.collect()
@@ -78,6 +100,8 @@ def main() -> None:
         results["real_model_error"] = {"skipped": str(e)[:200]}
     print("real model", results["real_model_error"], flush=True)
     (args.out / "fp8.json").write_text(json.dumps(results, indent=2) + "\n")
+    (args.out / "fp8_prefill_profile.txt").write_text("\n\n".join(profiles) + "\n")
+    print("\n\n".join(profiles))
     b, f = results["modes"]["bf16"], results["modes"]["fp8"]
     lines = ["# FP8 weights against bf16", "",
              f"{results['device']}; Llama-3-8B shape, random weights, bf16 KV, greedy; one run: "

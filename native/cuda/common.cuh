@@ -28,6 +28,29 @@ inline void check_cuda(cudaError_t err, const char* what) {
 // faults surface at the next synchronizing call.
 inline void check_launch(const char* kernel) { check_cuda(cudaGetLastError(), kernel); }
 
+// Launches `kernel(args)` on `grid` x `block` with `smem` bytes of dynamic
+// shared memory, as a programmatic dependent where programmatic_launch() is
+// on (kernels.h): it may start while the previous kernel runs, so it must
+// call grid_dependency_wait (below) before reading anything that kernel
+// wrote. A failed launch's error is not left for the caller's next call.
+template <typename K, typename A>
+void launch_programmatic(K kernel, const A& args, dim3 grid, int block, std::size_t smem,
+                         cudaStream_t stream, const char* name) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = dim3(block);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = programmatic_launch() ? 1 : 0;
+  const cudaError_t err = cudaLaunchKernelEx(&cfg, kernel, args);
+  if (err != cudaSuccess) cudaGetLastError();
+  check_cuda(err, name);
+}
+
 // Opts `kernel` in to `bytes` of dynamic shared memory (past 48 KiB, static
 // shared memory included, a launch needs it), once: `done` is the caller's
 // flag for this kernel instantiation.

@@ -229,10 +229,19 @@ struct Mainloop {
     a_desc = wgmma_desc(base + S::warp_m(wg_warp) * S::kWarpM * kRowBytes);
     b_desc = wgmma_desc(base + (MT + S::warp_n(wg_warp) * S::kWarpN) * kRowBytes);
     // The first kAhead k tiles in flight: one commit group each (empty past
-    // the end, so the wait counts stay uniform).
+    // the end, so the wait counts stay uniform). Their weights first: they do
+    // not depend on the previous kernel, which may still be running (a
+    // programmatic launch); x only after it is done. The first group then
+    // holds every prologue weight tile and x's first: waiting for it waits
+    // for a little more than needed, never less.
 #pragma unroll
     for (int i = 0; i < S::kAhead; ++i) {
-      if (kt_begin + i < kt_end) load(kt_begin + i);
+      if (kt_begin + i < kt_end) load_w.load(stage(kt_begin + i) + MT * kRowBytes, kt_begin + i, k);
+    }
+    grid_dependency_wait();
+#pragma unroll
+    for (int i = 0; i < S::kAhead; ++i) {
+      if (kt_begin + i < kt_end) load_x.load(stage(kt_begin + i), kt_begin + i, k);
       cp_async_commit();
     }
   }
@@ -388,6 +397,7 @@ template <typename T, int MT, bool kWg>
 __global__ void __launch_bounds__(kThreads, MT == 128 ? 1 : 2)
     gemm_tiled_kernel(const Params p) {
   using S = Shape<MT, kWg>;
+  launch_dependents();  // a following programmatic launch may start fetching its weights
   const int per_group = kGroupM * p.n_tiles;
   const int group = blockIdx.x / per_group;
   const int first_m = group * kGroupM;
@@ -509,6 +519,7 @@ template <typename T, int MT, bool kWg>
 __global__ void __launch_bounds__(kThreads, MT == 128 ? 1 : 2)
     gemm_split_kernel(const Params p) {
   using S = Shape<MT, kWg>;
+  launch_dependents();
   const int s = blockIdx.x, n_tile = blockIdx.y, m_tile = blockIdx.z;
   const int m0 = m_tile * MT, n0 = n_tile * tile_cols(p);
   Mainloop<T, MT, kWg> loop(p, dynamic_smem(), m0, n0, s, s + 1);
@@ -570,15 +581,15 @@ void launch(Params p, bool split, cudaStream_t stream) {
     static bool opted_in = false;  // per instantiation, as gemv
     opt_in_smem(kernel, S::kSmemBytes, opted_in, "gemm_invariant: shared memory opt-in");
     const std::int64_t blocks = static_cast<std::int64_t>(p.m_tiles) * p.n_tiles;
-    kernel<<<static_cast<unsigned>(blocks), kThreads, S::kSmemBytes, stream>>>(p);
-    check_launch("gemm_tiled_kernel");
+    launch_programmatic(kernel, p, dim3(static_cast<unsigned>(blocks)), kThreads, S::kSmemBytes,
+                        stream, "gemm_tiled_kernel");
     return;
   }
   auto kernel = gemm_split_kernel<T, MT, kWg>;
   static bool opted_in = false;
   opt_in_smem(kernel, S::kSmemBytes, opted_in, "gemm_invariant: shared memory opt-in");
-  kernel<<<dim3(p.chunks, p.n_tiles, p.m_tiles), kThreads, S::kSmemBytes, stream>>>(p);
-  check_launch("gemm_split_kernel");
+  launch_programmatic(kernel, p, dim3(p.chunks, p.n_tiles, p.m_tiles), kThreads, S::kSmemBytes,
+                      stream, "gemm_split_kernel");
   if (p.counters == nullptr) {
     gemm_fold_kernel<T, MT><<<dim3(p.n_tiles, p.m_tiles), kThreads, 0, stream>>>(p);
     check_launch("gemm_fold_kernel");

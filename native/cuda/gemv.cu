@@ -500,19 +500,7 @@ template <typename K, typename A>
 void launch(K kernel, const A& a, int blocks, int threads, std::size_t smem, std::size_t max_smem,
             bool& opted_in, cudaStream_t s, const char* name) {
   opt_in_smem(kernel, max_smem, opted_in, "gemv: shared memory opt-in");
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(blocks);
-  cfg.blockDim = dim3(threads);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = s;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = g_programmatic_launch ? 1 : 0;
-  const cudaError_t err = cudaLaunchKernelEx(&cfg, kernel, a);
-  if (err != cudaSuccess) cudaGetLastError();  // not left for the caller's next CUDA call
-  check_cuda(err, name);
+  launch_programmatic(kernel, a, dim3(blocks), threads, smem, s, name);
 }
 
 template <typename T, int M, int W, bool kSmemX, Prologue P, Epilogue E>

@@ -126,6 +126,10 @@ void gemv_qkv_rope(std::uintptr_t q_out, std::uintptr_t x, std::uintptr_t w, std
 // With silu_mul, w's n_out rows (a multiple of 16) are the gate rows over
 // the up rows and y is [rows, n_out / 2] = silu_mul(gate, up), bit for bit
 // the plain launch followed by silu_mul (no residual then).
+// Both shapes launch as programmatic dependents (as the GEMV, where
+// programmatic_launch() is on): the first k tiles' weights load while the
+// previous kernel finishes; x, the residual, the workspace and the counters
+// are touched only after it.
 // The chunk sums come from mma.sync by default, or from Hopper's wgmma after
 // set_gemm_invariant_wgmma(true): both shapes then use wgmma, so they still
 // agree, but the bits differ from the mma.sync ones -- a process (and every

@@ -45,17 +45,27 @@ __device__ __forceinline__ std::uint64_t wgmma_desc_mn(std::uint32_t addr,
          (static_cast<std::uint64_t>(1024 >> 4) << 32) | (1ull << 62);
 }
 
+// wgmma exists on sm_90a only. `nvcc -arch=sm_90a` (make cuda-check) also
+// embeds compute_90 PTX, where these instructions do not assemble: there
+// each is a trap. The extension itself is built for sm_90a (CMake), whose
+// code runs on sm_90 GPUs only.
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define TURBOMQ_WGMMA_ASM(...) asm volatile(__VA_ARGS__)
+#else
+#define TURBOMQ_WGMMA_ASM(...) __trap()
+#endif
+
 // Orders the registers' earlier accesses (zeroing, reads) before the MMAs.
 __device__ __forceinline__ void wgmma_fence() {
-  asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+  TURBOMQ_WGMMA_ASM("wgmma.fence.sync.aligned;" ::: "memory");
 }
 __device__ __forceinline__ void wgmma_commit() {
-  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+  TURBOMQ_WGMMA_ASM("wgmma.commit_group.sync.aligned;" ::: "memory");
 }
 // Until at most N committed groups of this warpgroup are still running.
 template <int N>
 __device__ __forceinline__ void wgmma_wait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+  TURBOMQ_WGMMA_ASM("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
 }
 // Shared memory written through the generic proxy (cp.async, st.shared)
 // made visible to the async proxy the MMAs read through.
@@ -100,16 +110,16 @@ template <typename T, int N>
 __device__ __forceinline__ void wgmma_m64k16(float* d, std::uint64_t a, std::uint64_t b) {
   static_assert(N == 64 || N == 128, "m64n64 or m64n128");
   if constexpr (N == 64 && std::is_same_v<T, __half>) {
-    asm volatile(TURBOMQ_WGMMA_SS(64, "f16", TURBOMQ_WGMMA_D32, "%32", "%33")
+    TURBOMQ_WGMMA_ASM(TURBOMQ_WGMMA_SS(64, "f16", TURBOMQ_WGMMA_D32, "%32", "%33")
                  : TURBOMQ_WGMMA_OUT32(d) : "l"(a), "l"(b));
   } else if constexpr (N == 64) {
-    asm volatile(TURBOMQ_WGMMA_SS(64, "bf16", TURBOMQ_WGMMA_D32, "%32", "%33")
+    TURBOMQ_WGMMA_ASM(TURBOMQ_WGMMA_SS(64, "bf16", TURBOMQ_WGMMA_D32, "%32", "%33")
                  : TURBOMQ_WGMMA_OUT32(d) : "l"(a), "l"(b));
   } else if constexpr (std::is_same_v<T, __half>) {
-    asm volatile(TURBOMQ_WGMMA_SS(128, "f16", TURBOMQ_WGMMA_D64, "%64", "%65")
+    TURBOMQ_WGMMA_ASM(TURBOMQ_WGMMA_SS(128, "f16", TURBOMQ_WGMMA_D64, "%64", "%65")
                  : TURBOMQ_WGMMA_OUT64(d) : "l"(a), "l"(b));
   } else {
-    asm volatile(TURBOMQ_WGMMA_SS(128, "bf16", TURBOMQ_WGMMA_D64, "%64", "%65")
+    TURBOMQ_WGMMA_ASM(TURBOMQ_WGMMA_SS(128, "bf16", TURBOMQ_WGMMA_D64, "%64", "%65")
                  : TURBOMQ_WGMMA_OUT64(d) : "l"(a), "l"(b));
   }
 }
@@ -123,16 +133,16 @@ __device__ __forceinline__ void wgmma_m64k16_rs(float* d, const std::uint32_t* a
                                                 std::uint64_t b) {
   static_assert(N == 64 || N == 128, "m64n64 or m64n128");
   if constexpr (N == 64 && std::is_same_v<T, __half>) {
-    asm volatile(TURBOMQ_WGMMA_RS(64, "f16", TURBOMQ_WGMMA_D32, "{%32,%33,%34,%35}", "%36")
+    TURBOMQ_WGMMA_ASM(TURBOMQ_WGMMA_RS(64, "f16", TURBOMQ_WGMMA_D32, "{%32,%33,%34,%35}", "%36")
                  : TURBOMQ_WGMMA_OUT32(d) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
   } else if constexpr (N == 64) {
-    asm volatile(TURBOMQ_WGMMA_RS(64, "bf16", TURBOMQ_WGMMA_D32, "{%32,%33,%34,%35}", "%36")
+    TURBOMQ_WGMMA_ASM(TURBOMQ_WGMMA_RS(64, "bf16", TURBOMQ_WGMMA_D32, "{%32,%33,%34,%35}", "%36")
                  : TURBOMQ_WGMMA_OUT32(d) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
   } else if constexpr (std::is_same_v<T, __half>) {
-    asm volatile(TURBOMQ_WGMMA_RS(128, "f16", TURBOMQ_WGMMA_D64, "{%64,%65,%66,%67}", "%68")
+    TURBOMQ_WGMMA_ASM(TURBOMQ_WGMMA_RS(128, "f16", TURBOMQ_WGMMA_D64, "{%64,%65,%66,%67}", "%68")
                  : TURBOMQ_WGMMA_OUT64(d) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
   } else {
-    asm volatile(TURBOMQ_WGMMA_RS(128, "bf16", TURBOMQ_WGMMA_D64, "{%64,%65,%66,%67}", "%68")
+    TURBOMQ_WGMMA_ASM(TURBOMQ_WGMMA_RS(128, "bf16", TURBOMQ_WGMMA_D64, "{%64,%65,%66,%67}", "%68")
                  : TURBOMQ_WGMMA_OUT64(d) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
   }
 }

@@ -110,7 +110,8 @@ def available() -> bool:
 
 
 if _k is not None:
-    # Programmatic dependent launch of the GEMV (TURBOMQ_PDL=0 turns it off).
+    # Programmatic dependent launch of the GEMV and the invariant GEMM
+    # (TURBOMQ_PDL=0 turns it off).
     _k.set_programmatic_launch(os.environ.get("TURBOMQ_PDL", "1") != "0")
     _k.set_fp8_gemv_max_tiles(FP8_GEMV_MAX_TILES)
     _k.set_gemm_invariant_wgmma(INVARIANT_WGMMA)

@@ -607,20 +607,19 @@ int sm_count() {
 }
 
 // Rows per block. mma.sync: the smallest of 16, 32, 64 that holds M, else
-// 128 (kGemmInvariantTile). wgmma: 64 up to 64 rows, else 128, or 64 for a
-// tiled launch whose 128-row tiles would leave SMs idle (twice the blocks).
-// The split shape's tile rows are block_rows() in both (its counters).
+// 128 (kGemmInvariantTile); wgmma: 64 up to 64 rows, else 128. Either way a
+// tiled launch whose 128-row tiles would leave SMs idle takes 64-row tiles
+// (twice the blocks). The split shape's tile rows are block_rows() (its
+// counters).
 template <typename T>
 void dispatch_rows(const Params& p, bool split, cudaStream_t stream) {
+  const bool narrow = p.m <= 64 || (!split && ceil_div(p.m, 128) * p.n_tiles < sm_count());
   if (g_wgmma) {
-    if (p.m <= 64 || (!split && ceil_div(p.m, 128) * p.n_tiles < sm_count())) {
-      return launch<T, 64, true>(p, split, stream);
-    }
-    return launch<T, 128, true>(p, split, stream);
+    return narrow ? launch<T, 64, true>(p, split, stream) : launch<T, 128, true>(p, split, stream);
   }
   if (p.m <= 16) return launch<T, 16, false>(p, split, stream);
   if (p.m <= 32) return launch<T, 32, false>(p, split, stream);
-  if (p.m <= 64) return launch<T, 64, false>(p, split, stream);
+  if (narrow) return launch<T, 64, false>(p, split, stream);
   launch<T, 128, false>(p, split, stream);
 }
 

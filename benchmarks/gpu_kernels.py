@@ -160,14 +160,16 @@ PREFILL_CASES = [("4 x 512 after 2048", 512, 2048, 4), ("8k causal", 8192, 0, 1)
 def bench_prefill() -> list[dict]:
     """Causal prefill attention: 4 sequences x 512 new tokens after 2048 of
     history, and fresh 8k and 16k prompts; attention.cu (bf16 and INT8 KV)
-    against prefill_attention.cu (bf16 KV; mma.sync and wgmma), side by side."""
+    against prefill_attention.cu (mma.sync and wgmma; wgmma with INT8 KV too),
+    side by side."""
     rows = []
     scale = HEAD_DIM ** -0.5
     for case, n, hist, seqs in PREFILL_CASES:
         for kernel, name, kv_dtype in (("attention.cu", "bf16", torch.bfloat16),
                                        ("attention.cu", "int8", torch.int8),
                                        ("prefill_attention.cu", "bf16", torch.bfloat16),
-                                       ("prefill_attention.cu wgmma", "bf16", torch.bfloat16)):
+                                       ("prefill_attention.cu wgmma", "bf16", torch.bfloat16),
+                                       ("prefill_attention.cu wgmma", "int8", torch.int8)):
             ctx = n + hist
             kv, batches = make_pools(seqs, ctx, kv_dtype, 1)
             tables = batches[0].block_tables.cpu().numpy()

@@ -193,10 +193,12 @@ struct AttentionArgs {
 };
 void paged_attention(const AttentionArgs& args);
 
-// Prefill (Q of many rows per sequence) over a 16-bit cache, FlashAttention-2
-// style: `tiles` lists (sequence, 64-row tile) pairs, num_tiles of them; no
-// split-K (partition and INT8 fields unused). Same result as paged_attention
-// up to the order of the sums.
+// Prefill (Q of many rows per sequence) over a 16-bit or INT8 cache,
+// FlashAttention-2 style: `tiles` lists (sequence, 64-row tile) pairs,
+// num_tiles of them; split-K as paged_attention's (num_parts partitions of
+// partition_size keys, a multiple of 64; partials of 64-row tiles, combined
+// by the last block when `counters` is given, else by a second kernel).
+// Same result as paged_attention up to the order of the sums.
 // set_prefill_attention_wgmma(true) runs the same tiles on Hopper's wgmma
 // (a warpgroup per tile, Q and K/V in 128-byte-swizzled shared memory).
 void prefill_attention(const AttentionArgs& args);

@@ -48,6 +48,12 @@ __device__ __forceinline__ void cp_async16(std::uint32_t dst, const void* src, b
                "r"(ok ? 16 : 0)
                : "memory");
 }
+// 4 bytes, through L1 (cp.async takes 16 only with .cg); zero when !ok.
+__device__ __forceinline__ void cp_async4(std::uint32_t dst, const void* src, bool ok) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src),
+               "r"(ok ? 4 : 0)
+               : "memory");
+}
 __device__ __forceinline__ void cp_async_commit() {
   asm volatile("cp.async.commit_group;" ::: "memory");
 }

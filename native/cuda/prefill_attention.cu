@@ -15,12 +15,15 @@
 // context of ctx keys sees keys < ctx - n + i + 1, so history is unmasked
 // and only the last tiles need a mask. Rows of shared memory are 16-byte
 // chunks XOR-swizzled by row % 8, so an ldmatrix phase hits 8 bank groups.
-// 16-bit KV only, head_dim 64 or 128. Split-K over long histories: with
+// INT8 KV: the tiles land in a staging ring with their per-token scales and
+// are widened, exactly (|x| <= 127), into one 16-bit tile before the MMAs;
+// the K scale multiplies S, the V scale P (after the row sum), as in
+// attention.cu. Head_dim 64 or 128. Split-K over long histories: with
 // num_parts > 1, block z of a tile reads keys [z P, (z + 1) P) only and
 // writes its normalized partial rows, max and sum; the last block of the
 // tile to finish (or a second kernel) combines them in partition order, as
 // attention.cu does (paged_batch.cuh). The caller takes it for prefill
-// (Q of >= 64 rows); INT8 KV and decode stay on attention.cu.
+// (Q of >= 64 rows); decode stays on attention.cu.
 #include "mma.cuh"
 #include "paged_batch.cuh"
 #include "wgmma.cuh"
@@ -37,6 +40,8 @@ constexpr int kTileKeys = 64;
 
 // The batch's fields (tiles: (sequence, 64-row tile) pairs) and split-K's.
 struct Params : PagedBatch {
+  const float* k_scale;  // INT8 KV: per-token scales [blocks, KV heads, block size]
+  const float* v_scale;
   int partition_size, num_parts;  // keys per partition (a multiple of 64), partitions
   Partials part;                  // num_parts > 1: [tiles][KV heads][parts][64 rows]
   int* counters;                  // [tiles * KV heads] or null: combine in a second kernel
@@ -98,18 +103,127 @@ __device__ __forceinline__ const T* row_q(const Params& p, const Tile& b, int r,
   return static_cast<const T*>(p.q) + (b.q_start + qi) * p.q_stride_tok + head * p.q_stride_head;
 }
 
-// Global offset (elements) of 16-byte chunk `ch` of key `tok`'s row, or
-// false past the keys the tile reads.
-template <int D>
-__device__ __forceinline__ bool key_offset(const Params& p, const Tile& b, const int* table,
-                                           int tok, int ch, std::int64_t& off) {
-  off = 0;
+// Index of key `tok`'s row of this KV head in the cache ([blocks, KV heads,
+// block size] rows; its scales have the same layout), or false past the keys
+// the tile reads.
+__device__ __forceinline__ bool key_row(const Params& p, const Tile& b, const int* table, int tok,
+                                        std::int64_t& row) {
+  row = 0;
   if (tok >= b.keys_last) return false;
   const int block_mask = (1 << p.block_shift) - 1;
   const int block = __ldg(table + (tok >> p.block_shift));
-  off = ((static_cast<std::int64_t>(block) * p.num_kv_heads + b.kvh) * (block_mask + 1) +
-         (tok & block_mask)) * D + ch * 8;
+  row = (static_cast<std::int64_t>(block) * p.num_kv_heads + b.kvh) * (block_mask + 1) +
+        (tok & block_mask);
   return true;
+}
+
+// Shared-memory byte offset of 16-byte chunk `ch` (of D / 8) of row `r` of a
+// 64-row 16-bit tile: rows of 2 D bytes (kPanels false: ldmatrix's layout) or
+// panels of 64 dims, rows of 128 bytes (true: wgmma's); chunks XOR-swizzled
+// by r % 8 either way.
+template <int D, bool kPanels>
+__device__ __forceinline__ std::uint32_t tile_offset(int r, int ch) {
+  if constexpr (kPanels) {
+    return static_cast<std::uint32_t>((ch >> 3) * kTileKeys * 128 + r * 128 +
+                                      (((ch & 7) ^ (r & 7)) << 4));
+  } else {
+    return chunk_offset<D>(r, ch);
+  }
+}
+
+// Where a block's K/V tiles come from, in shared memory at `base` (a shared
+// address; `gbase` the same bytes as a generic pointer):
+//   16-bit KV: a ring of two stages [K tile][V tile], cp.async straight in;
+//   INT8 KV: one 16-bit [K][V] tile the MMAs read, then a ring of two stages
+//     [K int8][V int8][K scales][V scales]; ready() widens a landed stage
+//     into the 16-bit tile.
+template <typename T, int D, bool kInt8, bool kPanels>
+struct KvTiles {
+  static constexpr int kTile16 = kTileKeys * D * 2;
+  static constexpr int kTile8 = kTileKeys * D;
+  static constexpr int kStage8 = 2 * kTile8 + 2 * kTileKeys * 4;
+  static constexpr int kBytes = kInt8 ? 2 * kTile16 + 2 * kStage8 : 2 * 2 * kTile16;
+  std::uint32_t base;
+  unsigned char* gbase;
+
+  __device__ __forceinline__ void load(const Params& p, const Tile& b, const int* table,
+                                       int tile, int stage) const {
+    if constexpr (!kInt8) {
+      const std::uint32_t k_dst = base + stage * 2 * kTile16;
+      for (int i = threadIdx.x; i < kTileKeys * (D / 8); i += kThreads) {
+        const int row = i / (D / 8), ch = i % (D / 8);
+        std::int64_t kr;
+        const bool ok = key_row(p, b, table, tile * kTileKeys + row, kr);
+        const std::int64_t off = kr * D + ch * 8;
+        cp_async16(k_dst + tile_offset<D, kPanels>(row, ch), static_cast<const T*>(p.k_cache) + off, ok);
+        cp_async16(k_dst + kTile16 + tile_offset<D, kPanels>(row, ch),
+                   static_cast<const T*>(p.v_cache) + off, ok);
+      }
+    } else {
+      const std::uint32_t dst = base + 2 * kTile16 + stage * kStage8;
+      for (int i = threadIdx.x; i < kTileKeys * (D / 16); i += kThreads) {
+        const int row = i / (D / 16), ch = i % (D / 16);
+        std::int64_t kr;
+        const bool ok = key_row(p, b, table, tile * kTileKeys + row, kr);
+        const std::int64_t off = kr * D + ch * 16;
+        cp_async16(dst + row * D + ch * 16, static_cast<const std::int8_t*>(p.k_cache) + off, ok);
+        cp_async16(dst + kTile8 + row * D + ch * 16,
+                   static_cast<const std::int8_t*>(p.v_cache) + off, ok);
+      }
+      if (threadIdx.x < kTileKeys) {
+        std::int64_t kr;
+        const bool ok = key_row(p, b, table, tile * kTileKeys + threadIdx.x, kr);
+        cp_async4(dst + 2 * kTile8 + threadIdx.x * 4, p.k_scale + kr, ok);
+        cp_async4(dst + 2 * kTile8 + (kTileKeys + threadIdx.x) * 4, p.v_scale + kr, ok);
+      }
+    }
+    cp_async_commit();
+  }
+
+  // The 16-bit K tile of a landed stage (V follows at + kTile16). INT8: every
+  // thread widens its share first; the caller then needs a barrier (and, for
+  // wgmma, fence_proxy_async before it) before the tile is read.
+  __device__ __forceinline__ std::uint32_t ready(int stage) const {
+    if constexpr (!kInt8) {
+      return base + stage * 2 * kTile16;
+    } else {
+      const unsigned char* src = gbase + 2 * kTile16 + stage * kStage8;
+      for (int i = threadIdx.x; i < 2 * kTileKeys * (D / 16); i += kThreads) {
+        const int kv = i / (kTileKeys * (D / 16)), j = i % (kTileKeys * (D / 16));
+        const int row = j / (D / 16), ch = j % (D / 16);
+        const uint4 raw = *reinterpret_cast<const uint4*>(src + kv * kTile8 + row * D + ch * 16);
+        const signed char* x = reinterpret_cast<const signed char*>(&raw);
+        T w[16];
+#pragma unroll
+        for (int e = 0; e < 16; ++e) w[e] = from_float<T>(static_cast<float>(x[e]));
+        unsigned char* dst = gbase + kv * kTile16;
+        *reinterpret_cast<uint4*>(dst + tile_offset<D, kPanels>(row, 2 * ch)) =
+            *reinterpret_cast<const uint4*>(w);
+        *reinterpret_cast<uint4*>(dst + tile_offset<D, kPanels>(row, 2 * ch + 1)) =
+            *reinterpret_cast<const uint4*>(w + 8);
+      }
+      return base;
+    }
+  }
+
+  // INT8: the K and V scales of a landed stage's 64 keys.
+  __device__ __forceinline__ const float* k_scales(int stage) const {
+    return reinterpret_cast<const float*>(gbase + 2 * kTile16 + stage * kStage8 + 2 * kTile8);
+  }
+  __device__ __forceinline__ const float* v_scales(int stage) const {
+    return k_scales(stage) + kTileKeys;
+  }
+};
+
+// INT8 KV: S's columns times their keys' K scales (before the softmax), and
+// P's times their V scales (after its row sums: O = sum p (v scale) v).
+// Element e of block b of this lane is key 8 b + 2 c + (e & 1).
+__device__ __forceinline__ void scale_keys(float (&s)[kTileKeys / 8][4], const float* scales,
+                                           int c) {
+#pragma unroll
+  for (int b = 0; b < kTileKeys / 8; ++b)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s[b][e] *= scales[8 * b + 2 * c + (e & 1)];
 }
 
 // Online softmax (base 2) of one 64-key tile of S for this lane's rows g and
@@ -243,33 +357,21 @@ __device__ __forceinline__ void finish_rows(const Params& p, const Tile& b,
   }
 }
 
-template <typename T, int D>
+template <typename T, int D, bool kInt8>
 __global__ void __launch_bounds__(kThreads) prefill_attention_kernel(const Params p) {
-  constexpr int kChunks = D / 8;      // 16-byte chunks per key row
   constexpr int kKSteps = D / 16;     // mma K steps over the head dim (S)
   constexpr int kKeyBlocks = kTileKeys / 8;  // n8 blocks of S per tile
   constexpr int kDimBlocks = D / 8;   // n8 blocks of O
-  constexpr std::uint32_t kTileBytes = kTileKeys * D * 2;
-  extern __shared__ __align__(128) unsigned char smem[];  // [2 stages][K, V] tiles
+  using Kv = KvTiles<T, D, kInt8, false>;
+  extern __shared__ __align__(128) unsigned char smem[];  // the K/V tiles (KvTiles)
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, c = lane % 4;
   const Tile b = tile_of(p);
   if (static_cast<int>(blockIdx.z) >= b.parts) return;  // a partition past the tile's keys
   const int* table = p.block_tables + static_cast<std::int64_t>(b.seq) * p.max_blocks;
-  const std::uint32_t smem_base = static_cast<std::uint32_t>(__cvta_generic_to_shared(smem));
-  auto load_tile = [&](int tile, int stage) {
-    const std::uint32_t k_dst = smem_base + stage * 2 * kTileBytes;
-    const std::uint32_t v_dst = k_dst + kTileBytes;
-    for (int i = threadIdx.x; i < kTileKeys * kChunks; i += kThreads) {
-      const int row = i / kChunks, ch = i % kChunks;
-      std::int64_t off;
-      const bool ok = key_offset<D>(p, b, table, tile * kTileKeys + row, ch, off);
-      cp_async16(k_dst + chunk_offset<D>(row, ch), static_cast<const T*>(p.k_cache) + off, ok);
-      cp_async16(v_dst + chunk_offset<D>(row, ch), static_cast<const T*>(p.v_cache) + off, ok);
-    }
-    cp_async_commit();
-  };
+  const Kv kv{static_cast<std::uint32_t>(__cvta_generic_to_shared(smem)), smem};
+  auto load_tile = [&](int tile, int stage) { kv.load(p, b, table, tile, stage); };
   if (b.t_begin < b.t_end) load_tile(b.t_begin, 0);
 
   // This lane's rows: g and g + 8 of the warp's 16; their key limits and Q
@@ -296,8 +398,9 @@ __global__ void __launch_bounds__(kThreads) prefill_attention_kernel(const Param
   for (int t = b.t_begin; t < b.t_end; ++t) {
     const int stage = await_tile(b, t, load_tile);
     __syncthreads();
-    const std::uint32_t k_tile = smem_base + stage * 2 * kTileBytes;
-    const std::uint32_t v_tile = k_tile + kTileBytes;
+    const std::uint32_t k_tile = kv.ready(stage);
+    const std::uint32_t v_tile = k_tile + Kv::kTile16;
+    if constexpr (kInt8) __syncthreads();  // the widened tile, for every warp
 
     // S = Q K^T over this tile's 64 keys.
     float s[kKeyBlocks][4];
@@ -320,7 +423,9 @@ __global__ void __launch_bounds__(kThreads) prefill_attention_kernel(const Param
     const int key0 = t * kTileKeys;
     const bool masked = key0 + kTileKeys > b.keys_first || limit[0] == 0 || limit[1] == 0;
     float alpha[2];
+    if constexpr (kInt8) scale_keys(s, kv.k_scales(stage), c);
     softmax_tile(s, m, l, alpha, limit, masked, key0, c, p.scale_log2);
+    if constexpr (kInt8) scale_keys(s, kv.v_scales(stage), c);
     rescale<D>(o, alpha);
 
     // O += P V, 16 keys per mma K step.
@@ -355,50 +460,36 @@ __global__ void __launch_bounds__(kThreads) prefill_attention_kernel(const Param
 //   Q loads once with K/V tile 0; tiles are double-buffered as above. Each
 //   product waits for its MMAs before the softmax or the next tile reads
 //   their results: the overlap comes from the other blocks on the SM.
-template <int D>
+template <typename T, int D, bool kInt8>
 constexpr int wgmma_smem_bytes() {
-  return (kBlockRows + 2 * 2 * kTileKeys) * D * 2 + 1024;  // Q, 2 stages of K and V, alignment
+  return kBlockRows * D * 2 + KvTiles<T, D, kInt8, true>::kBytes + 1024;  // Q, K/V, alignment
 }
 
-template <typename T, int D>
+template <typename T, int D, bool kInt8>
 __global__ void __launch_bounds__(kThreads) prefill_attention_wgmma_kernel(const Params p) {
-  constexpr int kPanels = D / 64;
   constexpr int kPanelBytes = kTileKeys * 128;  // a 64-row panel: Q's and a K/V tile's
-  constexpr std::uint32_t kTileBytes = kPanels * kPanelBytes;
+  constexpr std::uint32_t kQBytes = kBlockRows * D * 2;
+  using Kv = KvTiles<T, D, kInt8, true>;
   static_assert(kBlockRows == kTileKeys, "Q's panels are the size of a K/V tile's");
-  extern __shared__ __align__(128) unsigned char smem[];  // Q, then [2 stages][K, V]
+  static_assert(kQBytes % 1024 == 0 && Kv::kTile16 % 1024 == 0, "the panels stay 1024-aligned");
+  extern __shared__ __align__(128) unsigned char smem[];  // Q, then the K/V tiles (KvTiles)
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, c = lane % 4;
   const Tile b = tile_of(p);
   if (static_cast<int>(blockIdx.z) >= b.parts) return;  // a partition past the tile's keys
   const int* table = p.block_tables + static_cast<std::int64_t>(b.seq) * p.max_blocks;
-  const std::uint32_t q_base =
-      (static_cast<std::uint32_t>(__cvta_generic_to_shared(smem)) + 1023u) & ~1023u;
-  const std::uint32_t kv_base = q_base + kTileBytes;
-  // Chunk ch (of D / 8) of row r: panel ch / 8, swizzled within the panel.
-  auto panel_offset = [](int r, int ch) {
-    return static_cast<std::uint32_t>((ch >> 3) * kPanelBytes + r * 128 + (((ch & 7) ^ (r & 7)) << 4));
-  };
-  auto load_tile = [&](int tile, int stage) {
-    const std::uint32_t k_dst = kv_base + stage * 2 * kTileBytes;
-    const std::uint32_t v_dst = k_dst + kTileBytes;
-    for (int i = threadIdx.x; i < kTileKeys * (D / 8); i += kThreads) {
-      const int row = i / (D / 8), ch = i % (D / 8);
-      std::int64_t off;
-      const bool ok = key_offset<D>(p, b, table, tile * kTileKeys + row, ch, off);
-      cp_async16(k_dst + panel_offset(row, ch), static_cast<const T*>(p.k_cache) + off, ok);
-      cp_async16(v_dst + panel_offset(row, ch), static_cast<const T*>(p.v_cache) + off, ok);
-    }
-    cp_async_commit();
-  };
+  const std::uint32_t raw = static_cast<std::uint32_t>(__cvta_generic_to_shared(smem));
+  const std::uint32_t q_base = (raw + 1023u) & ~1023u;
+  const Kv kv{q_base + kQBytes, smem + (q_base - raw) + kQBytes};
+  auto load_tile = [&](int tile, int stage) { kv.load(p, b, table, tile, stage); };
   // Q (zeros past the tile's rows), in tile 0's commit group.
   for (int i = threadIdx.x; i < kBlockRows * (D / 8); i += kThreads) {
     const int r = i / (D / 8), ch = i % (D / 8);
     int unused;
     const T* src = row_q<T>(p, b, r, unused);
-    cp_async16(q_base + panel_offset(r, ch), src ? src + ch * 8 : static_cast<const T*>(p.q),
-               src != nullptr);
+    cp_async16(q_base + tile_offset<D, true>(r, ch),
+               src ? src + ch * 8 : static_cast<const T*>(p.q), src != nullptr);
   }
   if (b.t_begin < b.t_end) {
     load_tile(b.t_begin, 0);
@@ -420,9 +511,13 @@ __global__ void __launch_bounds__(kThreads) prefill_attention_wgmma_kernel(const
     const int stage = await_tile(b, t, load_tile);
     fence_proxy_async();  // the cp.async data, to the MMAs' (async) proxy
     __syncthreads();
-    const std::uint32_t k_tile = kv_base + stage * 2 * kTileBytes;
+    const std::uint32_t k_tile = kv.ready(stage);
+    if constexpr (kInt8) {  // the widened tile (st.shared), for every warp and the MMAs
+      fence_proxy_async();
+      __syncthreads();
+    }
     const std::uint64_t k_desc = wgmma_desc(k_tile);
-    const std::uint64_t v_desc = wgmma_desc_mn(k_tile + kTileBytes, kPanelBytes);
+    const std::uint64_t v_desc = wgmma_desc_mn(k_tile + Kv::kTile16, kPanelBytes);
 
     // S = Q K^T: k16 step ks is 32 bytes into panel ks / 4 of both.
     float s[kTileKeys / 8][4];
@@ -442,7 +537,9 @@ __global__ void __launch_bounds__(kThreads) prefill_attention_wgmma_kernel(const
     const int key0 = t * kTileKeys;
     const bool masked = key0 + kTileKeys > b.keys_first || limit[0] == 0 || limit[1] == 0;
     float alpha[2];
+    if constexpr (kInt8) scale_keys(s, kv.k_scales(stage), c);
     softmax_tile(s, m, l, alpha, limit, masked, key0, c, p.scale_log2);
+    if constexpr (kInt8) scale_keys(s, kv.v_scales(stage), c);
     rescale<D>(o, alpha);
 
     // O += P V: the k16 step over keys 16 k2.. is two 8-key atoms further.
@@ -472,29 +569,29 @@ __global__ void __launch_bounds__(kThreads) prefill_combine_kernel(const Params 
 
 bool g_wgmma = false;  // set_prefill_attention_wgmma
 
-template <typename T, int D>
+template <typename T, int D, bool kInt8>
 void launch_tiles(const Params& p, int num_tiles, cudaStream_t s) {
   const dim3 grid(num_tiles, p.num_kv_heads, p.num_parts);
   if (g_wgmma) {
-    constexpr int kSmem = wgmma_smem_bytes<D>();
+    constexpr int kSmem = wgmma_smem_bytes<T, D, kInt8>();
     static bool opted_in = false;
-    opt_in_smem(prefill_attention_wgmma_kernel<T, D>, kSmem, opted_in,
+    opt_in_smem(prefill_attention_wgmma_kernel<T, D, kInt8>, kSmem, opted_in,
                 "prefill_attention: shared memory opt-in");
-    prefill_attention_wgmma_kernel<T, D><<<grid, kThreads, kSmem, s>>>(p);
+    prefill_attention_wgmma_kernel<T, D, kInt8><<<grid, kThreads, kSmem, s>>>(p);
     check_launch("prefill_attention_wgmma_kernel");
     return;
   }
-  constexpr int kSmem = 2 * 2 * kTileKeys * D * 2;  // two stages of K and V
+  constexpr int kSmem = KvTiles<T, D, kInt8, false>::kBytes;
   static bool opted_in = false;
-  opt_in_smem(prefill_attention_kernel<T, D>, kSmem, opted_in,
+  opt_in_smem(prefill_attention_kernel<T, D, kInt8>, kSmem, opted_in,
               "prefill_attention: shared memory opt-in");
-  prefill_attention_kernel<T, D><<<grid, kThreads, kSmem, s>>>(p);
+  prefill_attention_kernel<T, D, kInt8><<<grid, kThreads, kSmem, s>>>(p);
   check_launch("prefill_attention_kernel");
 }
 
 template <typename T, int D>
-void launch(const Params& p, int num_tiles, cudaStream_t s) {
-  launch_tiles<T, D>(p, num_tiles, s);
+void launch(const Params& p, int num_tiles, bool int8, cudaStream_t s) {
+  int8 ? launch_tiles<T, D, true>(p, num_tiles, s) : launch_tiles<T, D, false>(p, num_tiles, s);
   if (p.num_parts > 1 && p.counters == nullptr) {
     prefill_combine_kernel<T, D><<<dim3(num_tiles, p.num_kv_heads), kThreads, 0, s>>>(p);
     check_launch("prefill_combine_kernel");
@@ -507,7 +604,11 @@ void set_prefill_attention_wgmma(bool on) { g_wgmma = on; }
 bool prefill_attention_wgmma() { return g_wgmma; }
 
 void prefill_attention(const AttentionArgs& a) {
-  require(a.cache_dtype == a.dtype, "prefill_attention: the cache must be 16-bit, q's dtype");
+  const bool int8 = a.cache_dtype == DType::kI8;
+  require(a.cache_dtype == a.dtype || int8,
+          "prefill_attention: the cache must be INT8 or q's 16-bit dtype");
+  require(!int8 || (a.k_scale != 0 && a.v_scale != 0),
+          "prefill_attention: an INT8 cache needs its scales");
   require(a.tiles != 0, "prefill_attention: takes a tile list");
   require(a.num_parts >= 1 && a.num_parts <= 65535, "prefill_attention: bad num_parts");
   require(a.num_parts == 1 || (a.partition_size > 0 && a.partition_size % kTileKeys == 0 &&
@@ -521,13 +622,16 @@ void prefill_attention(const AttentionArgs& a) {
                     static_cast<std::int64_t>(a.num_tiles) * a.num_kv_heads * a.num_parts *
                         kBlockRows};
   p.counters = a.num_parts > 1 ? reinterpret_cast<int*>(a.counters) : nullptr;
+  p.k_scale = reinterpret_cast<const float*>(a.k_scale);
+  p.v_scale = reinterpret_cast<const float*>(a.v_scale);
   if (a.num_tiles == 0) return;
   cudaStream_t s = as_stream(a.stream);
+  const int n = a.num_tiles;
   const bool f16 = a.dtype == DType::kF16;
   if (a.head_dim == 128) {
-    f16 ? launch<__half, 128>(p, a.num_tiles, s) : launch<__nv_bfloat16, 128>(p, a.num_tiles, s);
+    f16 ? launch<__half, 128>(p, n, int8, s) : launch<__nv_bfloat16, 128>(p, n, int8, s);
   } else {
-    f16 ? launch<__half, 64>(p, a.num_tiles, s) : launch<__nv_bfloat16, 64>(p, a.num_tiles, s);
+    f16 ? launch<__half, 64>(p, n, int8, s) : launch<__nv_bfloat16, 64>(p, n, int8, s);
   }
 }
 

@@ -476,27 +476,31 @@ def prefill_mma(request):
     cuda_ops._k.set_prefill_attention_wgmma(cuda_ops.PREFILL_WGMMA)
 
 
+@pytest.mark.parametrize("kv_kind", KV_KINDS)
 @pytest.mark.parametrize("bs", [16, 64])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("group", [1, 4, 8])
-def test_prefill_kernel_with_history(group, d, dtype, bs, gen, monkeypatch, prefill_mma):
+def test_prefill_kernel_with_history(group, d, dtype, bs, kv_kind, gen, monkeypatch,
+                                     prefill_mma):
     """prefill_attention.cu (forced on whatever the grid), on mma.sync and on
-    wgmma: fresh prompts, prompts after a history (Q shorter than K), decode
-    rows beside them, row counts that do not fill the last 64-row tile,
-    64-key tiles cut short."""
+    wgmma, 16-bit and INT8 KV: fresh prompts, prompts after a history (Q
+    shorter than K), decode rows beside them, row counts that do not fill the
+    last 64-row tile, 64-key tiles cut short."""
     monkeypatch.setattr(cuda_ops, "PREFILL_ATTENTION", True)
     monkeypatch.setattr(cuda_ops, "_sm_count", lambda device: 1)
     q_lens = [1, 7, 70, 64, 129, 200]
     hist = [300, 0, 50, 333, 0, 1000]
     ctx = [n + h for n, h in zip(q_lens, hist)]
-    q, kv, batch = make_attention_case(q_lens, ctx, 2, group, d, bs, dtype, dtype, gen)
+    q, kv, batch = make_attention_case(q_lens, ctx, 2, group, d, bs, dtype,
+                                       dtype if kv_kind == "same" else torch.int8, gen)
     check_attention(q, kv, batch, dtype)
 
 
+@pytest.mark.parametrize("kv_kind", KV_KINDS)
 @pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("group", [1, 4])
-def test_prefill_kernel_split_over_keys(group, fused, gen, monkeypatch, prefill_mma):
+def test_prefill_kernel_split_over_keys(group, fused, kv_kind, gen, monkeypatch, prefill_mma):
     """Split-K in the prefill kernel (a turn on a long session, few tiles):
     partitions of 64 keys and more, a last one cut short, partitions past a
     tile's keys, combined in the last block or in a second kernel."""
@@ -507,7 +511,7 @@ def test_prefill_kernel_split_over_keys(group, fused, gen, monkeypatch, prefill_
     hist = [8000, 1000, 5, 300]
     ctx = [n + h for n, h in zip(q_lens, hist)]
     q, kv, batch = make_attention_case(q_lens, ctx, 2, group, 128, 16, torch.bfloat16,
-                                       torch.bfloat16, gen)
+                                       torch.bfloat16 if kv_kind == "same" else torch.int8, gen)
     nkv = 2
     tiles, num_tiles = cuda_ops._tiles(batch, group, q.device, cuda_ops._k.PREFILL_TILE_ROWS)
     _, parts = cuda_ops.plan_prefill_partitions(num_tiles * nkv, batch.max_context_len, 4096)
@@ -516,8 +520,9 @@ def test_prefill_kernel_split_over_keys(group, fused, gen, monkeypatch, prefill_
 
 
 def test_prefill_kernel_long_prompt_and_fallbacks(gen, monkeypatch, prefill_mma):
-    """A 4k-token prompt on the prefill kernel; INT8 KV and forced
-    partitions stay on attention.cu (both against the reference)."""
+    """A 4k-token prompt on the prefill kernel; INT8 KV on it too, and forced
+    partitions (deterministic mode) on attention.cu (all against the
+    reference)."""
     monkeypatch.setattr(cuda_ops, "PREFILL_ATTENTION", True)
     dtype = torch.bfloat16
     q, kv, batch = make_attention_case([4096], [4096], 8, 4, 128, 64, dtype, dtype, gen)

@@ -512,7 +512,7 @@ def all_reduce_peer(x: torch.Tensor, buffers: list[int], rank: int, capacity: in
 # native/cuda/prefill_attention.cu (64-row tiles, K/V tiles in shared memory
 # shared by four warps) instead of attention.cu's 16-row tiles, split over the
 # keys where its tiles alone would not fill the GPU (plan_prefill_partitions);
-# 16-bit KV only. Off until measured on a GPU: TURBOMQ_PREFILL_ATTENTION=1
+# 16-bit or INT8 KV. Off until measured on a GPU: TURBOMQ_PREFILL_ATTENTION=1
 # turns it on.
 PREFILL_ATTENTION = os.environ.get("TURBOMQ_PREFILL_ATTENTION", "0") == "1"
 # TURBOMQ_PREFILL_WGMMA=1 runs that kernel on Hopper's wgmma (PREFILL_WGMMA).
@@ -633,7 +633,7 @@ def paged_attention(q: torch.Tensor, kv: LayerKV, batch: AttentionBatch, scale: 
     nkv = kv.k.shape[1]
     if q.stride(2) != 1 or not _aligned(q, q.stride(0), q.stride(1)):
         q = q.contiguous()
-    if (PREFILL_ATTENTION and kv.k_scale is None and batch.max_q_len >= PREFILL_MIN_Q_LEN
+    if (PREFILL_ATTENTION and batch.max_q_len >= PREFILL_MIN_Q_LEN
             and partition_size is None and not always_combine):
         tiles, num_tiles = _tiles(batch, nh // nkv, q.device, _k.PREFILL_TILE_ROWS)
         part_size, parts = plan_prefill_partitions(num_tiles * nkv, batch.max_context_len,

@@ -47,6 +47,10 @@ class GatewayConfig:
     request_timeout: float = 300.0  # each request's deadline (a body's `timeout` may lower it)
     health_interval: float = 0.5  # how often the broker's health is asked
     reload_interval: float = 1.0  # how often the API key file is checked for changes
+    # On SIGTERM, responses still streaming get this long to finish before
+    # they are cut (their requests cancelled upstream): a stalled or slow
+    # client cannot hold the gateway up; below Docker's 10 s stop timeout.
+    shutdown_grace: float = 8.0
     log_level: str = "INFO"
 
     def check(self) -> None:
@@ -58,6 +62,8 @@ class GatewayConfig:
             raise ConfigError("--broker-key needs --curve-secret or --tenant-keys")
         if not self.served_model_names:
             raise ConfigError("no served model name")
+        if not self.shutdown_grace >= 0:
+            raise ConfigError("--shutdown-grace must be >= 0 seconds")
 
 
 def _digest(key: str) -> bytes:

@@ -1,6 +1,7 @@
 """Run the gateway: one asyncio process (uvicorn) serving the app. It prints
 one JSON line once it listens (`{"gateway": URL, "port": N}`), for scripts
-and `turbomq up`; SIGINT or SIGTERM stops it."""
+and `turbomq up`; SIGINT or SIGTERM stops it: no new connections, and
+responses in flight get `shutdown_grace` seconds to finish."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ async def serve(config: GatewayConfig) -> None:
         access_log=False, lifespan="on", backlog=4096, timeout_keep_alive=30,
         # thousands of concurrent streams: no cap on connections here; the
         # broker's queue bound and per-tenant limits answer overload (429)
-        limit_concurrency=None, server_header=False))
+        limit_concurrency=None, server_header=False,
+        timeout_graceful_shutdown=config.shutdown_grace))
     task = asyncio.get_running_loop().create_task(server.serve())
     while not server.started:
         if task.done():

@@ -9,9 +9,12 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import subprocess
+import time
 import urllib.error
 import urllib.request
+from urllib.parse import urlparse
 
 import httpx
 import openai
@@ -375,3 +378,33 @@ def test_plain_broker_refuses_several_tenants(tmp_path):
                          capture_output=True, text=True, timeout=60, env=CHILD_ENV)
     assert out.returncode == 2
     assert "plain broker sees every client as one tenant" in out.stderr
+
+
+def test_sigterm_cuts_a_stalled_stream_after_the_grace(tmp_path):
+    """SIGTERM while a stream is in flight whose client reads nothing: the
+    gateway lets it run for --shutdown-grace seconds, then cuts it and exits
+    (it used to wait for the stream to end, minutes here)."""
+    svc = Cluster(tmp_path)
+    svc._spawn([PY, "-m", "turbomq.broker.echo_worker", "--broker", svc.back,
+                "--slots", "1", "--delay", "0.05"])
+    gw = GatewayProc(svc.front, "--shutdown-grace", "1")
+    sock = None
+    try:
+        gw.wait_workers(1)
+        url = urlparse(gw.url)
+        body = json.dumps({"model": MODEL, "prompt": "Hi", "max_tokens": 4000, "stream": True})
+        sock = socket.create_connection((url.hostname, url.port))
+        sock.sendall((f"POST /v1/completions HTTP/1.1\r\nHost: {url.netloc}\r\n"
+                      "Content-Type: application/json\r\n"
+                      f"Content-Length: {len(body)}\r\n\r\n{body}").encode())
+        wait_until(lambda: gw.metrics()[("turbomq_gateway_requests_in_flight",)] == 1, 20,
+                   "the stream is in flight")
+        start = time.monotonic()
+        os.killpg(gw.proc.pid, signal.SIGTERM)
+        gw.proc.wait(20)  # TimeoutExpired: it waited for the stream to end
+        assert time.monotonic() - start < 10
+    finally:
+        if sock is not None:
+            sock.close()
+        gw.close()
+        svc.close()

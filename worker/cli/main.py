@@ -161,7 +161,8 @@ def cmd_gateway(args: argparse.Namespace) -> int:
                                                     if n),
                            api_keys=args.api_keys or None, broker_key=args.broker_key,
                            curve_secret=args.curve_secret, tenant_keys=args.tenant_keys,
-                           request_timeout=args.request_timeout, log_level=args.log_level)
+                           request_timeout=args.request_timeout,
+                           shutdown_grace=args.shutdown_grace, log_level=args.log_level)
     try:
         run_gateway(config)
     except ConfigError as e:
@@ -398,6 +399,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the broker's public NAME.key (CurveZMQ)")
     p.add_argument("--request-timeout", type=float, default=300.0,
                    help="each request's deadline in seconds (a body's `timeout` may lower it)")
+    p.add_argument("--shutdown-grace", type=float, default=8.0, metavar="SECONDS",
+                   help="on SIGTERM, how long responses in flight may still run before "
+                        "they are cut (default 8)")
     p.add_argument("--log-level", default="INFO")
     p.set_defaults(func=cmd_gateway)
 

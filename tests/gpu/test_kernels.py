@@ -485,8 +485,9 @@ def test_prefill_kernel_with_history(group, d, dtype, bs, kv_kind, gen, monkeypa
                                      prefill_mma):
     """prefill_attention.cu (forced on whatever the grid), on mma.sync and on
     wgmma, 16-bit and INT8 KV: fresh prompts, prompts after a history (Q
-    shorter than K), decode rows beside them, row counts that do not fill the
-    last 64-row tile, 64-key tiles cut short."""
+    shorter than K), row counts that do not fill the last 64-row tile, 64-key
+    tiles cut short; and beside them sequences of a few new tokens, which
+    attention.cu writes into the same output."""
     monkeypatch.setattr(cuda_ops, "PREFILL_ATTENTION", True)
     monkeypatch.setattr(cuda_ops, "_sm_count", lambda device: 1)
     q_lens = [1, 7, 70, 64, 129, 200]
@@ -513,7 +514,8 @@ def test_prefill_kernel_split_over_keys(group, fused, kv_kind, gen, monkeypatch,
     q, kv, batch = make_attention_case(q_lens, ctx, 2, group, 128, 16, torch.bfloat16,
                                        torch.bfloat16 if kv_kind == "same" else torch.int8, gen)
     nkv = 2
-    tiles, num_tiles = cuda_ops._tiles(batch, group, q.device, cuda_ops._k.PREFILL_TILE_ROWS)
+    tiles, num_tiles = cuda_ops._tiles(batch, group, q.device, cuda_ops._k.PREFILL_TILE_ROWS,
+                                       "long")
     _, parts = cuda_ops.plan_prefill_partitions(num_tiles * nkv, batch.max_context_len, 4096)
     assert parts > 8
     check_attention(q, kv, batch, torch.bfloat16, fused_combine=fused)

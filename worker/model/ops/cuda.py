@@ -552,25 +552,42 @@ def _counters(device: torch.device, n: int) -> Optional[torch.Tensor]:
     return buf
 
 
-def _tiles(batch: AttentionBatch, group: int, device: torch.device, rows: Optional[int] = None):
+def _selected(batch: AttentionBatch, which: Optional[str]) -> np.ndarray:
+    """Which sequences `which` names: all (None), those of at least
+    PREFILL_MIN_Q_LEN new tokens ("long"), or the others ("short")."""
+    q = np.asarray(batch.q_lens_host, dtype=np.int64)
+    if which is None:
+        return np.ones(len(q), dtype=bool)
+    return (q >= PREFILL_MIN_Q_LEN) == (which == "long")
+
+
+def _max_context(batch: AttentionBatch, which: str) -> int:
+    ctx = np.asarray(batch.context_lens_host, dtype=np.int64)[_selected(batch, which)]
+    return int(ctx.max()) if len(ctx) else 1
+
+
+def _tiles(batch: AttentionBatch, group: int, device: torch.device, rows: Optional[int] = None,
+           which: Optional[str] = None):
     """(tile tensor or None, number of tiles) of `rows` rows each (default:
-    attention.cu's 16); cached on the batch, which every layer of a step
-    shares. None: decode, a tile per sequence."""
+    attention.cu's 16) over the sequences `which` selects (_selected);
+    cached on the batch, which every layer of a step shares. None: decode, a
+    tile per sequence."""
     rows = rows or _k.ATTENTION_TILE_ROWS
     cache = batch.backend_cache.setdefault("cuda_tiles", {})
-    if (group, rows) in cache:
-        return cache[group, rows]
-    if rows == _k.ATTENTION_TILE_ROWS and batch.max_q_len == 1 and group <= rows:
+    if (group, rows, which) in cache:
+        return cache[group, rows, which]
+    if (which is None and rows == _k.ATTENTION_TILE_ROWS and batch.max_q_len == 1
+            and group <= rows):
         result = (None, batch.num_seqs)
     else:
         q = np.asarray(batch.q_lens_host, dtype=np.int64)
-        per_seq = (q * group + rows - 1) // rows
+        per_seq = np.where(_selected(batch, which), (q * group + rows - 1) // rows, 0)
         total = int(per_seq.sum())
         seq = np.repeat(np.arange(len(q)), per_seq)
         first = np.repeat(np.cumsum(per_seq) - per_seq, per_seq)
         pairs = np.stack([seq, np.arange(total) - first], axis=1).astype(np.int32)
         result = (to_device(pairs, torch.int32, device), total)
-    cache[group, rows] = result
+    cache[group, rows, which] = result
     return result
 
 
@@ -633,17 +650,24 @@ def paged_attention(q: torch.Tensor, kv: LayerKV, batch: AttentionBatch, scale: 
     nkv = kv.k.shape[1]
     if q.stride(2) != 1 or not _aligned(q, q.stride(0), q.stride(1)):
         q = q.contiguous()
+    which, max_context = None, batch.max_context_len
     if (PREFILL_ATTENTION and batch.max_q_len >= PREFILL_MIN_Q_LEN
             and partition_size is None and not always_combine):
-        tiles, num_tiles = _tiles(batch, nh // nkv, q.device, _k.PREFILL_TILE_ROWS)
-        part_size, parts = plan_prefill_partitions(num_tiles * nkv, batch.max_context_len,
-                                                   _sm_count(q.device))
+        # Sequences of >= PREFILL_MIN_Q_LEN new tokens on the prefill kernel;
+        # the rest of the batch (decode rows beside a prefill chunk) on
+        # attention.cu, into the other rows of the same output.
+        tiles, num_tiles = _tiles(batch, nh // nkv, q.device, _k.PREFILL_TILE_ROWS, "long")
+        part_size, parts = plan_prefill_partitions(
+            num_tiles * nkv, _max_context(batch, "long"), _sm_count(q.device))
         partials, counters = _partials(q.device, num_tiles * nkv, parts,
                                        _k.PREFILL_TILE_ROWS, d, fused_combine)
-        return _launch_attention(out, q, kv, batch, scale, tiles, num_tiles, part_size, parts,
-                                 partials, counters, prefill=True)
-    tiles, num_tiles = _tiles(batch, nh // nkv, q.device)
-    part_size, parts = plan_partitions(num_tiles * nkv, batch.max_context_len,
+        out = _launch_attention(out, q, kv, batch, scale, tiles, num_tiles, part_size, parts,
+                                partials, counters, prefill=True)
+        if min(batch.q_lens_host) >= PREFILL_MIN_Q_LEN:
+            return out
+        which, max_context = "short", _max_context(batch, "short")
+    tiles, num_tiles = _tiles(batch, nh // nkv, q.device, None, which)
+    part_size, parts = plan_partitions(num_tiles * nkv, max_context,
                                        _sm_count(q.device), partition_size,
                                        int8=kv.k.dtype == torch.int8)
     if always_combine:

@@ -137,8 +137,9 @@ __device__ __forceinline__ std::uint32_t tile_offset(int r, int ch) {
 //   INT8 KV: one 16-bit [K][V] tile the MMAs read, then a ring of two stages
 //     [K int8][V int8][K scales][V scales]; ready() widens a landed stage
 //     into the 16-bit tile.
-template <typename T, int D, bool kInt8, bool kPanels>
+template <typename T, int D, bool kInt8_, bool kPanels>
 struct KvTiles {
+  static constexpr bool kInt8 = kInt8_;
   static constexpr int kTile16 = kTileKeys * D * 2;
   static constexpr int kTile8 = kTileKeys * D;
   static constexpr int kStage8 = 2 * kTile8 + 2 * kTileKeys * 4;
@@ -226,6 +227,7 @@ __device__ __forceinline__ void scale_keys(float (&s)[kTileKeys / 8][4], const f
     for (int e = 0; e < 4; ++e) s[b][e] *= scales[8 * b + 2 * c + (e & 1)];
 }
 
+
 // Online softmax (base 2) of one 64-key tile of S for this lane's rows g and
 // g + 8: element e of block b is key 8 b + 2 c + (e & 1) of row g (e < 2) or
 // g + 8. S becomes P (unnormalized), m and l advance, alpha rescales O.
@@ -263,8 +265,21 @@ __device__ __forceinline__ void softmax_tile(float (&s)[kTileKeys / 8][4], float
   }
 }
 
-template <int D>
-__device__ __forceinline__ void rescale(float (&o)[D / 8][4], const float (&alpha)[2]) {
+// One K/V tile's softmax for this lane's rows, given S of tile t: S
+// becomes P (INT8: K scales before, V scales after), m and l advance, and O
+// is rescaled to the new maxima. The mask is needed only on tiles that
+// reach past the first row's keys, or with an unused row.
+template <int D, typename Kv>
+__device__ __forceinline__ void softmax_step(const Params& p, const Tile& b, const Kv& kv,
+                                             int stage, int t, const int (&limit)[2], int c,
+                                             float (&s)[kTileKeys / 8][4], float (&m)[2],
+                                             float (&l)[2], float (&o)[D / 8][4]) {
+  const int key0 = t * kTileKeys;
+  const bool masked = key0 + kTileKeys > b.keys_first || limit[0] == 0 || limit[1] == 0;
+  float alpha[2];
+  if constexpr (Kv::kInt8) scale_keys(s, kv.k_scales(stage), c);
+  softmax_tile(s, m, l, alpha, limit, masked, key0, c, p.scale_log2);
+  if constexpr (Kv::kInt8) scale_keys(s, kv.v_scales(stage), c);
 #pragma unroll
   for (int j = 0; j < D / 8; ++j) {
     o[j][0] *= alpha[0];
@@ -273,6 +288,7 @@ __device__ __forceinline__ void rescale(float (&o)[D / 8][4], const float (&alph
     o[j][3] *= alpha[1];
   }
 }
+
 
 // P's A fragment for the k16 step over keys 16 k2..: S's accumulator layout
 // re-packed to 16 bits (mma.m16n8k16 and wgmma share this A layout).
@@ -420,13 +436,7 @@ __global__ void __launch_bounds__(kThreads) prefill_attention_kernel(const Param
       }
     }
 
-    const int key0 = t * kTileKeys;
-    const bool masked = key0 + kTileKeys > b.keys_first || limit[0] == 0 || limit[1] == 0;
-    float alpha[2];
-    if constexpr (kInt8) scale_keys(s, kv.k_scales(stage), c);
-    softmax_tile(s, m, l, alpha, limit, masked, key0, c, p.scale_log2);
-    if constexpr (kInt8) scale_keys(s, kv.v_scales(stage), c);
-    rescale<D>(o, alpha);
+    softmax_step<D>(p, b, kv, stage, t, limit, c, s, m, l, o);
 
     // O += P V, 16 keys per mma K step.
 #pragma unroll
@@ -534,13 +544,7 @@ __global__ void __launch_bounds__(kThreads) prefill_attention_wgmma_kernel(const
     wgmma_commit();
     wgmma_wait<0>();
 
-    const int key0 = t * kTileKeys;
-    const bool masked = key0 + kTileKeys > b.keys_first || limit[0] == 0 || limit[1] == 0;
-    float alpha[2];
-    if constexpr (kInt8) scale_keys(s, kv.k_scales(stage), c);
-    softmax_tile(s, m, l, alpha, limit, masked, key0, c, p.scale_log2);
-    if constexpr (kInt8) scale_keys(s, kv.v_scales(stage), c);
-    rescale<D>(o, alpha);
+    softmax_step<D>(p, b, kv, stage, t, limit, c, s, m, l, o);
 
     // O += P V: the k16 step over keys 16 k2.. is two 8-key atoms further.
     std::uint32_t pa[kTileKeys / 16][4];

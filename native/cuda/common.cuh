@@ -51,6 +51,20 @@ void launch_programmatic(K kernel, const A& args, dim3 grid, int block, std::siz
   check_cuda(err, name);
 }
 
+// The current device's SM count, asked once per device (launch planning on
+// every call would otherwise pay two runtime queries).
+inline int sm_count() {
+  constexpr int kCached = 64;  // devices whose count is kept
+  static int counts[kCached] = {};
+  int device = 0;
+  check_cuda(cudaGetDevice(&device), "current device");
+  if (device < kCached && counts[device] != 0) return counts[device];
+  int sms = 0;
+  check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "SM count");
+  if (device < kCached) counts[device] = sms;
+  return sms;
+}
+
 // Opts `kernel` in to `bytes` of dynamic shared memory (past 48 KiB, static
 // shared memory included, a launch needs it), once: `done` is the caller's
 // flag for this kernel instantiation.

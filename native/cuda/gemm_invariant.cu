@@ -598,14 +598,6 @@ void launch(Params p, bool split, cudaStream_t stream) {
 
 bool g_wgmma = false;  // set_gemm_invariant_wgmma
 
-int sm_count() {
-  int device = 0, sms = 0;
-  check_cuda(cudaGetDevice(&device), "gemm_invariant: device");
-  check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device),
-             "gemm_invariant: SMs");
-  return sms;
-}
-
 // Rows per block. mma.sync: the smallest of 16, 32, 64 that holds M, else
 // 128 (kGemmInvariantTile); wgmma: 64 up to 64 rows, else 128. Either way a
 // tiled launch whose 128-row tiles would leave SMs idle takes 64-row tiles

@@ -523,12 +523,10 @@ int g_fp8_gemv_max_tiles = 1;
 template <typename K>
 int fp8_tiles_per_block(K kernel, int tiles, int threads, std::size_t smem) {
   if (g_fp8_gemv_max_tiles <= 1) return 1;
-  int device = 0, sms = 0, per_sm = 0;
-  check_cuda(cudaGetDevice(&device), "gemv: device");
-  check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "gemv: SMs");
+  int per_sm = 0;
   check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem),
              "gemv: occupancy");
-  const int slots = std::max(1, sms * per_sm);
+  const int slots = std::max(1, sm_count() * per_sm);
   return std::min(g_fp8_gemv_max_tiles, std::max(1, (tiles + slots - 1) / slots));
 }
 

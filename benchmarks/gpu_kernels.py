@@ -282,6 +282,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="docs/benchmarks", help="folder for kernels.md / kernels.json")
     ap.add_argument("--skip-elementwise", action="store_true")
+    ap.add_argument("--only", choices=["prefill"],
+                    help="just the prefill attention rows (written to kernels_prefill.md/json)")
     args = ap.parse_args()
     reason = cuda_ops.unavailable_reason()
     if reason:
@@ -294,18 +296,19 @@ def main() -> None:
             "copy_GBps": copy_bw / 1e9, "read_GBps": read_bw / 1e9}
     print(f"{props.name}: copy {copy_bw / 1e9:.0f} GB/s, read {read_bw / 1e9:.0f} GB/s", flush=True)
     sweep: list[dict] = []
-    decode = bench_decode(copy_bw, sweep)
+    decode = [] if args.only else bench_decode(copy_bw, sweep)
     for r in decode:
         r["frac_of_read"] = r["GBps"] * 1e9 / read_bw
     prefill = bench_prefill()
-    elem = [] if args.skip_elementwise else bench_elementwise()
+    elem = [] if args.skip_elementwise or args.only else bench_elementwise()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "kernels.json").write_text(json.dumps(
+    name = "kernels_prefill" if args.only else "kernels"
+    (out / f"{name}.json").write_text(json.dumps(
         {"info": info, "decode_attention": decode, "prefill_attention": prefill,
          "elementwise": elem, "partition_sweep": sweep}, indent=2) + "\n")
     text = markdown(info, decode, prefill, elem, sweep)
-    (out / "kernels.md").write_text(text)
+    (out / f"{name}.md").write_text(text)
     print(text)
 
 

@@ -73,7 +73,9 @@ def main() -> None:
     model = LlamaModel(cfg, random_tensors(cfg), "cuda", torch.bfloat16)
     engine = Engine(EngineConfig(model="(random weights)", device="cuda", max_batch_size=8,
                                  block_size=64, kv_cache_fraction=0.8,
-                                 max_num_batched_tokens=16384, max_model_len=32768), model=model)
+                                 max_num_batched_tokens=16384, max_model_len=32768,
+                                 # Every path sees the same prompts: none may find them cached.
+                                 prefix_caching=False), model=model)
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                "repeats": args.repeats, "paths": {}}
     try:

@@ -4,7 +4,7 @@
 # Logs and results go to $OUT (default build/gpu-results); copy the .md/.json/.png
 # results to docs/benchmarks/. Extra engine-benchmark flags: $ENGINE_ARGS.
 # TESTS=0 skips tests/gpu; TEST_ARGS adds pytest arguments. BENCH=tensor_parallel
-# needs 2 GPUs. TURBOMQ_BROKER=ON (with CMAKE_ARGS pointing at libzmq where it
+# needs 2 GPUs; BENCH= (empty) runs none. TURBOMQ_BROKER=ON (with CMAKE_ARGS pointing at libzmq where it
 # is not installed) builds the broker's data plane too, for `turbomq up`.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -49,7 +49,7 @@ if [ "${TESTS:-1}" != 0 ]; then
 fi
 
 bench=0
-for b in ${BENCH:-kernels engine}; do
+for b in ${BENCH-kernels engine}; do
   extra=""
   [ "$b" = engine ] && extra=${ENGINE_ARGS:-}
   # shellcheck disable=SC2086

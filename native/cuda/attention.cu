@@ -342,7 +342,7 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const Params 
   }
 
   // Combine the warps: each writes its unnormalized output, max and sum.
-  __shared__ float sm_o[kWarps][kRows][D];
+  __shared__ __align__(16) float sm_o[kWarps][kRows][D];  // float2 stores
   __shared__ float sm_m[kWarps][kRows];
   __shared__ float sm_l[kWarps][kRows];
 #pragma unroll

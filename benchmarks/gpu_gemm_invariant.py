@@ -74,17 +74,18 @@ def bench_shape(name: str, n: int, k: int, rows_list: list[int]) -> list[dict]:
              "path": "split" if auto_split else "tiled"}
         r["cublas_us"] = timed(F.linear) * 1e6
         for kind, prefix in ((False, ""), (True, "wg_")):
-            cuda_ops._k.set_gemm_invariant_wgmma(kind)
+            cuda_ops.set_invariant_wgmma(kind, kind)
             r[prefix + "tiled_us"] = timed(
                 lambda a, b: cuda_ops.linear_invariant(a, b, path="tiled")) * 1e6
             r[prefix + "split_us"] = None
             if m <= SPLIT_MAX_ROWS:
                 r[prefix + "split_us"] = timed(
                     lambda a, b: cuda_ops.linear_invariant(a, b, path="split")) * 1e6
-            r[prefix + "us"] = r[prefix + "split_us"] if auto_split else r[prefix + "tiled_us"]
-        cuda_ops._k.set_gemm_invariant_wgmma(cuda_ops.INVARIANT_WGMMA)
-        r["wg_TFLOPs"] = 2 * m * n * k / (r["wg_us"] / 1e6) / 1e12
-        r["wg_vs_cublas"] = r["cublas_us"] / r["wg_us"]
+        cuda_ops.set_invariant_wgmma(cuda_ops.INVARIANT_WGMMA)
+        # The default: the split shape on mma.sync, the tiled one on wgmma
+        # where INVARIANT_WGMMA (Hopper).
+        tiled_prefix = "wg_" if cuda_ops.INVARIANT_WGMMA else ""
+        r["us"] = r["split_us"] if auto_split else r[tiled_prefix + "tiled_us"]
         r["gemv_us"] = None
         if m <= GEMV_MAX_ROWS:
             r["gemv_us"] = timed(lambda a, b: cuda_ops.linear(a, b, native=True)) * 1e6
@@ -99,9 +100,8 @@ def bench_shape(name: str, n: int, k: int, rows_list: list[int]) -> list[dict]:
         wg_split = f"{r['wg_split_us']:8.1f}" if r["wg_split_us"] else "       -"
         print(f"{name:8s} {n:5d}x{k:5d} M={m:5d}: {r['path']:5s} {r['us']:8.1f} us "
               f"{r['TFLOPs']:6.1f} TFLOP/s {r['GBps']:6.0f} GB/s | cuBLAS {r['cublas_us']:8.1f} us "
-              f"(x{r['vs_cublas']:.2f}) | tiled {r['tiled_us']:8.1f} split {split}{extra} | "
-              f"wgmma {r['wg_us']:8.1f} us {r['wg_TFLOPs']:6.1f} TFLOP/s (x{r['wg_vs_cublas']:.2f}) "
-              f"tiled {r['wg_tiled_us']:8.1f} split {wg_split}", flush=True)
+              f"(x{r['vs_cublas']:.2f}) | mma.sync tiled {r['tiled_us']:8.1f} split {split} | "
+              f"wgmma tiled {r['wg_tiled_us']:8.1f} split {wg_split}{extra}", flush=True)
         del x
         torch.cuda.empty_cache()
     del ws
@@ -117,28 +117,29 @@ def markdown(info: dict, rows: list[dict]) -> str:
         "Produced by `benchmarks/gpu_gemm_invariant.py`.", "",
         f"`linear_invariant` (chunks of {info['chunk']} along K, folded in order) against "
         "cuBLAS (`F.linear`). GB/s counts weights + x + y. `vs cuBLAS` > 1 means faster than "
-        "cuBLAS. Both launch shapes give the same bits; `path` is the one `linear_invariant` "
-        f"picks (split up to {info['split_max_rows']} rows, or while the tiled grid would leave "
-        "SMs idle, if the chunk sums fit in 64 MiB). The first columns run the chunk sums on "
-        "`mma.sync` (the default), the `wgmma` columns on Hopper's `wgmma` "
-        "(`TURBOMQ_INVARIANT_WGMMA=1`), same inputs, same run.", ""]
+        "cuBLAS. Both launch shapes give the same bits, and so do the two kinds of MMA; "
+        "`path` is the one `linear_invariant` picks (split up to "
+        f"{info['split_max_rows']} rows if the chunk sums fit in 64 MiB; with the tiled "
+        "shape on `mma.sync`, also while its grid would leave SMs idle), and `time` that "
+        "path on the default's kind: the split shape on `mma.sync`, the tiled one on "
+        f"{'`wgmma`' if info['invariant_wgmma'] else '`mma.sync`'}. The last columns time "
+        "each shape on each kind, same inputs, same run.", ""]
     for name in dict.fromkeys(r["name"] for r in rows):
         sel = [r for r in rows if r["name"] == name]
         lines += [f"## {name} ({sel[0]['n']} x {sel[0]['k']})", "",
-                  "| M | path | time (us) | TFLOP/s | GB/s | cuBLAS (us) | vs cuBLAS | tiled (us) "
-                  "| split (us) | GEMV (us) | wgmma (us) | wgmma TFLOP/s | wgmma vs cuBLAS "
-                  "| wgmma tiled (us) | wgmma split (us) |",
+                  "| M | path | time (us) | TFLOP/s | GB/s | cuBLAS (us) | vs cuBLAS "
+                  "| mma.sync tiled (us) | mma.sync split (us) | wgmma tiled (us) "
+                  "| wgmma split (us) | GEMV (us) |",
                   "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
-                  "| ---: | ---: | ---: | ---: | ---: |"]
+                  "| ---: | ---: |"]
         for r in sel:
             split = f"{r['split_us']:.1f}" if r["split_us"] else ""
             wg_split = f"{r['wg_split_us']:.1f}" if r["wg_split_us"] else ""
             gemv = f"{r['gemv_us']:.1f}" if r["gemv_us"] else ""
             lines.append(f"| {r['m']} | {r['path']} | {r['us']:.1f} | {r['TFLOPs']:.1f} | "
                          f"{r['GBps']:.0f} | {r['cublas_us']:.1f} | {r['vs_cublas']:.2f} | "
-                         f"{r['tiled_us']:.1f} | {split} | {gemv} | {r['wg_us']:.1f} | "
-                         f"{r['wg_TFLOPs']:.1f} | {r['wg_vs_cublas']:.2f} | "
-                         f"{r['wg_tiled_us']:.1f} | {wg_split} |")
+                         f"{r['tiled_us']:.1f} | {split} | {r['wg_tiled_us']:.1f} | "
+                         f"{wg_split} | {gemv} |")
         lines.append("")
     return "\n".join(lines)
 
@@ -158,7 +159,8 @@ def main() -> None:
     read_bw = gpu_kernels.read_bandwidth()
     info = {"device": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
             "read_GBps": read_bw / 1e9, "chunk": cuda_ops._k.GEMM_INVARIANT_CHUNK,
-            "split_max_rows": cuda_ops.INVARIANT_SPLIT_MAX_ROWS}
+            "split_max_rows": cuda_ops.INVARIANT_SPLIT_MAX_ROWS,
+            "invariant_wgmma": cuda_ops.INVARIANT_WGMMA}
     print(f"{props.name}: read {read_bw / 1e9:.0f} GB/s", flush=True)
     rows = []
     for name in args.shapes:

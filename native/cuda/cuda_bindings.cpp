@@ -87,7 +87,8 @@ void bind_cuda(py::module_& parent) {
       .value("SPLIT", cuda::GemmInvariantPath::kSplit);
   m.def("set_prefill_attention_wgmma", &cuda::set_prefill_attention_wgmma, py::arg("on"));
   m.def("prefill_attention_wgmma", &cuda::prefill_attention_wgmma);
-  m.def("set_gemm_invariant_wgmma", &cuda::set_gemm_invariant_wgmma, py::arg("on"));
+  m.def("set_gemm_invariant_wgmma", &cuda::set_gemm_invariant_wgmma, py::arg("tiled"),
+        py::arg("split"));
   m.def("gemm_invariant_wgmma", &cuda::gemm_invariant_wgmma);
   m.def("gemm_invariant_workspace", &cuda::gemm_invariant_workspace, py::arg("rows"),
         py::arg("n_out"), py::arg("k_in"), py::arg("path") = cuda::GemmInvariantPath::kAuto);

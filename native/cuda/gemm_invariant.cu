@@ -32,9 +32,11 @@
 // The MMA itself is mma.sync m16n8k16 by default, or on Hopper wgmma m64nNk16
 // (set_gemm_invariant_wgmma): the same k16 steps in the same order, each a
 // warpgroup's 64 rows at once, read straight from the swizzled stages (no
-// ldmatrix), with one k tile's MMAs in flight while the next are issued. A
-// process runs one kind for both shapes (their chunk sums must agree); the
-// two kinds need not give each other's bits.
+// ldmatrix), with one k tile's MMAs in flight while the next are issued.
+// Each shape takes its kind (set_gemm_invariant_wgmma(tiled, split)). Mixing
+// them keeps the shapes' chunk sums equal only where the two kinds give the
+// same bits, as they do on the H100 (tests/gpu/test_batch_invariant_gemm.py
+// holds any GPU it runs on to it).
 //
 // Optional fused residual add: with a residual [M, N], the store of every
 // shape (the tiled epilogue, the fold of either kind) writes
@@ -596,7 +598,7 @@ void launch(Params p, bool split, cudaStream_t stream) {
   }
 }
 
-bool g_wgmma = false;  // set_gemm_invariant_wgmma
+bool g_wgmma_tiled = false, g_wgmma_split = false;  // set_gemm_invariant_wgmma
 
 // Rows per block. mma.sync: the smallest of 16, 32, 64 that holds M, else
 // 128 (kGemmInvariantTile); wgmma: 64 up to 64 rows, else 128. Either way a
@@ -606,7 +608,7 @@ bool g_wgmma = false;  // set_gemm_invariant_wgmma
 template <typename T>
 void dispatch_rows(const Params& p, bool split, cudaStream_t stream) {
   const bool narrow = p.m <= 64 || (!split && ceil_div(p.m, 128) * p.n_tiles < sm_count());
-  if (g_wgmma) {
+  if (split ? g_wgmma_split : g_wgmma_tiled) {
     return narrow ? launch<T, 64, true>(p, split, stream) : launch<T, 128, true>(p, split, stream);
   }
   if (p.m <= 16) return launch<T, 16, false>(p, split, stream);
@@ -631,8 +633,11 @@ void check_shape(std::int64_t rows, std::int64_t n_out, std::int64_t k_in) {
 
 }  // namespace
 
-void set_gemm_invariant_wgmma(bool on) { g_wgmma = on; }
-bool gemm_invariant_wgmma() { return g_wgmma; }
+void set_gemm_invariant_wgmma(bool tiled, bool split) {
+  g_wgmma_tiled = tiled;
+  g_wgmma_split = split;
+}
+std::pair<bool, bool> gemm_invariant_wgmma() { return {g_wgmma_tiled, g_wgmma_split}; }
 
 std::int64_t gemm_invariant_workspace(std::int64_t rows, std::int64_t n_out, std::int64_t k_in,
                                       GemmInvariantPath path) {

@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace turbomq {
@@ -130,10 +131,10 @@ void gemv_qkv_rope(std::uintptr_t q_out, std::uintptr_t x, std::uintptr_t w, std
 // programmatic_launch() is on): the first k tiles' weights load while the
 // previous kernel finishes; x, the residual, the workspace and the counters
 // are touched only after it.
-// The chunk sums come from mma.sync by default, or from Hopper's wgmma after
-// set_gemm_invariant_wgmma(true): both shapes then use wgmma, so they still
-// agree, but the bits differ from the mma.sync ones -- a process (and every
-// worker a stream may move to) keeps one setting.
+// The chunk sums come from mma.sync by default, or from Hopper's wgmma for
+// the shapes set_gemm_invariant_wgmma(tiled, split) names. The kinds give
+// the same bits on the H100 (a GPU test holds them to it), so the shapes
+// still agree with a kind each.
 constexpr int kGemmInvariantChunk = 512;
 constexpr int kGemmInvariantSplitMaxRows = 64;
 constexpr int kGemmInvariantTile = 128;  // output columns per block; rows too above 64 rows
@@ -143,8 +144,8 @@ std::int64_t gemm_invariant_workspace(std::int64_t rows, std::int64_t n_out, std
                                       GemmInvariantPath path = GemmInvariantPath::kAuto);
 std::int64_t gemm_invariant_counters(std::int64_t rows, std::int64_t n_out,
                                      GemmInvariantPath path = GemmInvariantPath::kAuto);
-void set_gemm_invariant_wgmma(bool on);
-bool gemm_invariant_wgmma();
+void set_gemm_invariant_wgmma(bool tiled, bool split);
+std::pair<bool, bool> gemm_invariant_wgmma();  // (tiled, split)
 void gemm_invariant(std::uintptr_t y, std::uintptr_t x, std::uintptr_t w, std::int64_t rows,
                     std::int64_t n_out, std::int64_t k_in, DType dtype, std::uintptr_t workspace,
                     std::int64_t workspace_bytes, std::uintptr_t stream,

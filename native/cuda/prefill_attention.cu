@@ -55,6 +55,7 @@ __device__ __forceinline__ std::uint32_t chunk_offset(int row, int c) {
 
 // The block's tile: its sequence, rows, and the keys its rows see.
 struct Tile {
+  int idx;                    // in the tile list
   int kvh, seq, row0, q_start, n, ctx, rows;
   int keys_first, keys_last;  // keys the first and the last row see
   int tiles;                  // 64-key K/V tiles up to keys_last
@@ -64,9 +65,12 @@ struct Tile {
 
 __device__ __forceinline__ Tile tile_of(const Params& p) {
   Tile b;
+  // The list in reverse: a sequence's last tiles see the most keys, and the
+  // longest blocks go first so that none of them runs alone at the end.
+  b.idx = gridDim.x - 1 - blockIdx.x;
   b.kvh = blockIdx.y;
-  b.seq = p.tiles[2 * blockIdx.x];
-  b.row0 = p.tiles[2 * blockIdx.x + 1] * kBlockRows;
+  b.seq = p.tiles[2 * b.idx];
+  b.row0 = p.tiles[2 * b.idx + 1] * kBlockRows;
   b.q_start = p.cu_q_lens[b.seq];
   b.n = p.cu_q_lens[b.seq + 1] - b.q_start;
   b.ctx = p.context_lens[b.seq];
@@ -332,7 +336,7 @@ __device__ __forceinline__ void finish_rows(const Params& p, const Tile& b,
                                             const float (&o)[D / 8][4], const float (&m)[2],
                                             const float (&l)[2], int warp_row, int g, int c) {
   const bool split = p.num_parts > 1;
-  const std::int64_t prow0 = split ? partial_row0(p, blockIdx.x, b.kvh) : 0;
+  const std::int64_t prow0 = split ? partial_row0(p, b.idx, b.kvh) : 0;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     float sum = l[h];
@@ -366,7 +370,7 @@ __device__ __forceinline__ void finish_rows(const Params& p, const Tile& b,
     }
   }
   if (!split || p.counters == nullptr) return;
-  int* counter = p.counters + static_cast<std::int64_t>(blockIdx.x) * p.num_kv_heads + b.kvh;
+  int* counter = p.counters + static_cast<std::int64_t>(b.idx) * p.num_kv_heads + b.kvh;
   if (last_partition(counter, b.parts)) {
     combine_partials<T, D, kBlockRows, kThreads>(p, p.part, prow0, b.parts, b.row0, b.rows,
                                                  b.q_start, b.kvh);
@@ -567,7 +571,7 @@ __global__ void __launch_bounds__(kThreads) prefill_attention_wgmma_kernel(const
 template <typename T, int D>
 __global__ void __launch_bounds__(kThreads) prefill_combine_kernel(const Params p) {
   const Tile b = tile_of(p);
-  combine_partials<T, D, kBlockRows, kThreads>(p, p.part, partial_row0(p, blockIdx.x, b.kvh),
+  combine_partials<T, D, kBlockRows, kThreads>(p, p.part, partial_row0(p, b.idx, b.kvh),
                                                b.parts, b.row0, b.rows, b.q_start, b.kvh);
 }
 

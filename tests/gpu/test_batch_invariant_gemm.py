@@ -4,7 +4,9 @@ row by row whatever the batch: a row alone, the first rows, gathered
 subsets (rows at new positions), the same rows among random others, sizes
 either side of the split/tiled switch, both launch shapes forced, the fold
 in the last block or in a second kernel, eager or replayed in a CUDA graph;
-each on mma.sync and on Hopper's wgmma. The fused residual
+each on mma.sync, on Hopper's wgmma, and mixed (the tiled shape on wgmma,
+the split on mma.sync: Hopper's default); the two kinds give the same bits,
+which the mix relies on. The fused residual
 add and silu_mul stores equal the GEMM followed by the separate kernel, bit
 for bit, and stay batch-invariant.
 
@@ -32,13 +34,17 @@ ROWS = [1, 3, 16, 64, 65, 200, 1024, 4096]
 MAX_MACS = 6e11  # rows x N x K per case: keeps the reference's float32 matmul quick
 
 
-@pytest.fixture(autouse=True, params=["mma.sync", "wgmma"])
+KINDS = {"mma.sync": (False, False), "wgmma": (True, True), "mixed": (True, False)}
+
+
+@pytest.fixture(autouse=True, params=list(KINDS))
 def mma_kind(request):
-    """Every test runs on both kinds of MMA (set_gemm_invariant_wgmma)."""
-    cuda_ops._k.set_gemm_invariant_wgmma(request.param == "wgmma")
-    assert cuda_ops._k.gemm_invariant_wgmma() == (request.param == "wgmma")
+    """Every test runs with each assignment of MMA kinds to the two launch
+    shapes (tiled, split) (set_invariant_wgmma)."""
+    cuda_ops.set_invariant_wgmma(*KINDS[request.param])
+    assert cuda_ops._k.gemm_invariant_wgmma() == KINDS[request.param]
     yield request.param
-    cuda_ops._k.set_gemm_invariant_wgmma(cuda_ops.INVARIANT_WGMMA)
+    cuda_ops.set_invariant_wgmma(cuda_ops.INVARIANT_WGMMA)
 
 
 def assert_rows_equal(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
@@ -126,6 +132,27 @@ def test_launch_shapes_agree(dtype, rows, gen):
     assert_rows_equal(apart, tiled, "split (second kernel) vs tiled")
     again = cuda_ops.linear_invariant(x, w, path="split")  # counters were left at zero
     assert_rows_equal(again, tiled, "split, second call")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,n,k", [(1, 6144, 4096), (64, 4096, 14336), (200, 1536, 4096),
+                                      (1024, 4096, 4096)])
+def test_mma_kinds_give_the_same_bits(dtype, rows, n, k, gen, mma_kind):
+    """mma.sync and wgmma agree bit for bit, on both launch shapes: what lets
+    Hopper's default run the two shapes on different kinds (the "mixed"
+    runs of every other test check the batch invariance that follows)."""
+    if mma_kind != "mixed":
+        pytest.skip("compares the kinds itself; once is enough")
+    x = randn((rows, k), dtype, gen)
+    w = randn((n, k), dtype, gen, 0.02)
+    got = {}
+    for kinds in ((False, False), (True, True)):
+        cuda_ops.set_invariant_wgmma(*kinds)
+        for path in ("tiled", "split") if rows <= 512 else ("tiled",):
+            got[kinds, path] = cuda_ops.linear_invariant(x, w, path=path)
+    want = got[(False, False), "tiled"]
+    for (kinds, path), y in got.items():
+        assert_rows_equal(y, want, f"wgmma {kinds}, {path} vs mma.sync tiled")
 
 
 def test_rows_as_leading_dims_and_views(gen):

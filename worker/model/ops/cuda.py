@@ -84,14 +84,37 @@ FP8_GEMV_MAX_ROWS = int(os.environ.get("TURBOMQ_FP8_GEMV_MAX_ROWS", "4"))
 # all of them) where the tiles outnumber the GPU's block slots; 1 until
 # measured on a GPU (TURBOMQ_FP8_GEMV_MAX_TILES=4 to try).
 FP8_GEMV_MAX_TILES = int(os.environ.get("TURBOMQ_FP8_GEMV_MAX_TILES", "1"))
-# linear_invariant's chunk sums on Hopper's wgmma (TURBOMQ_INVARIANT_WGMMA=1)
-# instead of mma.sync: both launch shapes, other bits than mma.sync's, so
-# every worker a stream may move to needs the same setting. Off until
-# measured faster on a GPU.
-INVARIANT_WGMMA = os.environ.get("TURBOMQ_INVARIANT_WGMMA", "0") == "1"
-# The prefill attention kernel (PREFILL_ATTENTION, below) on Hopper's wgmma
-# (TURBOMQ_PREFILL_WGMMA=1): a warpgroup per 64-row tile. Off until measured.
-PREFILL_WGMMA = os.environ.get("TURBOMQ_PREFILL_WGMMA", "0") == "1"
+
+
+def _on_hopper(variable: str) -> bool:
+    """A wgmma switch: on where the GPU is a Hopper (sm_90) unless `variable`
+    says 0; 1 forces it on."""
+    value = os.environ.get(variable, "")
+    if value in ("0", "1"):
+        return value == "1"
+    return (_k is not None and torch.cuda.is_available()
+            and torch.cuda.get_device_capability()[0] == 9)
+
+
+# The prefill attention kernel (PREFILL_ATTENTION, below) on Hopper's wgmma:
+# a warpgroup per 64-row tile. On by default on Hopper
+# (TURBOMQ_PREFILL_WGMMA=0 keeps mma.sync).
+PREFILL_WGMMA = _on_hopper("TURBOMQ_PREFILL_WGMMA")
+# linear_invariant's tiled launch shape on Hopper's wgmma, the split shape
+# (at most INVARIANT_SPLIT_MAX_ROWS rows) on mma.sync: the faster kind of
+# each (docs/benchmarks/gemm_invariant.md). The two kinds give the same bits
+# on the H100 (tests/gpu/test_batch_invariant_gemm.py holds the GPU to it),
+# so the mix stays batch-invariant. TURBOMQ_INVARIANT_WGMMA=0: mma.sync only.
+INVARIANT_WGMMA = _on_hopper("TURBOMQ_INVARIANT_WGMMA")
+_INVARIANT_TILED_WGMMA = False  # set_invariant_wgmma
+
+
+def set_invariant_wgmma(tiled: bool, split: bool = False) -> None:
+    """Which launch shapes of linear_invariant run on wgmma (the others on
+    mma.sync); set before CUDA graphs are captured."""
+    global _INVARIANT_TILED_WGMMA
+    _k.set_gemm_invariant_wgmma(tiled, split)
+    _INVARIANT_TILED_WGMMA = tiled
 
 
 def unavailable_reason() -> Optional[str]:
@@ -114,7 +137,7 @@ if _k is not None:
     # (TURBOMQ_PDL=0 turns it off).
     _k.set_programmatic_launch(os.environ.get("TURBOMQ_PDL", "1") != "0")
     _k.set_fp8_gemv_max_tiles(FP8_GEMV_MAX_TILES)
-    _k.set_gemm_invariant_wgmma(INVARIANT_WGMMA)
+    set_invariant_wgmma(INVARIANT_WGMMA)
     _k.set_prefill_attention_wgmma(PREFILL_WGMMA)
     _DTYPES = {torch.float16: _k.DType.F16, torch.bfloat16: _k.DType.BF16,
                torch.int8: _k.DType.I8, torch.float32: _k.DType.F32}
@@ -512,9 +535,9 @@ def all_reduce_peer(x: torch.Tensor, buffers: list[int], rank: int, capacity: in
 # native/cuda/prefill_attention.cu (64-row tiles, K/V tiles in shared memory
 # shared by four warps) instead of attention.cu's 16-row tiles, split over the
 # keys where its tiles alone would not fill the GPU (plan_prefill_partitions);
-# 16-bit or INT8 KV. Off until measured on a GPU: TURBOMQ_PREFILL_ATTENTION=1
-# turns it on.
-PREFILL_ATTENTION = os.environ.get("TURBOMQ_PREFILL_ATTENTION", "0") == "1"
+# 16-bit or INT8 KV. Faster at every prompt length measured
+# (docs/benchmarks/prefill.md); TURBOMQ_PREFILL_ATTENTION=0 keeps attention.cu.
+PREFILL_ATTENTION = os.environ.get("TURBOMQ_PREFILL_ATTENTION", "1") == "1"
 # TURBOMQ_PREFILL_WGMMA=1 runs that kernel on Hopper's wgmma (PREFILL_WGMMA).
 PREFILL_MIN_Q_LEN = 64
 PREFILL_MIN_PARTITION = 512  # keys per split-K partition of the prefill kernel, at least
@@ -722,8 +745,10 @@ def _launch_attention(out, q, kv, batch, scale, tiles, num_tiles, part_size, par
 # choice between them is one of speed and memory only:
 # - split (a block per (column tile, K chunk), the chunk sums folded in
 #   order): the weights are read once by enough blocks to fill the GPU. For
-#   inputs of at most INVARIANT_SPLIT_MAX_ROWS rows, and for larger ones whose
-#   tiled grid would leave multiprocessors idle (under one block per SM);
+#   inputs of at most INVARIANT_SPLIT_MAX_ROWS rows, and, while the tiled
+#   shape runs on mma.sync, for larger ones whose tiled grid would leave
+#   multiprocessors idle (under one block per SM; on wgmma the tiled shape
+#   is faster there too);
 # - tiled (a block per output tile over all of K): everything else, and any
 #   input whose chunk sums would need more than INVARIANT_MAX_WORKSPACE bytes
 #   (the LM head at 64 rows: its 1002 column tiles fill the GPU anyway).
@@ -758,7 +783,8 @@ def _invariant_path(path: Optional[str], rows: int, n_out: int, k_in: int,
         split = _k.GemmInvariantPath.SPLIT
         tile = _k.GEMM_INVARIANT_TILE
         fits = _k.gemm_invariant_workspace(rows, n_out, k_in, split) <= INVARIANT_MAX_WORKSPACE
-        idle = -(-rows // tile) * -(-n_out // tile) < _sm_count(device)
+        idle = (not _INVARIANT_TILED_WGMMA
+                and -(-rows // tile) * -(-n_out // tile) < _sm_count(device))
         path = "split" if fits and (rows <= INVARIANT_SPLIT_MAX_ROWS or idle) else "tiled"
     if path not in ("split", "tiled"):
         raise ValueError(f"path must be 'split', 'tiled' or None, not {path!r}")

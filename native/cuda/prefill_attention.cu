@@ -239,20 +239,21 @@ __device__ __forceinline__ void softmax_tile(float (&s)[kTileKeys / 8][4], float
                                              float (&l)[2], float (&alpha)[2],
                                              const int (&limit)[2], bool masked, int key0, int c,
                                              float scale_log2) {
+// The max is taken over the raw scores and scaled once (the scale is
+// positive); each exponent is one fma of the score with the scale.
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    float mx = m[h];
+    float raw = -INFINITY;
 #pragma unroll
     for (int b = 0; b < kTileKeys / 8; ++b)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        float x = s[b][2 * h + e] * scale_log2;
-        if (masked && key0 + 8 * b + 2 * c + e >= limit[h]) x = -INFINITY;
-        s[b][2 * h + e] = x;
-        mx = fmaxf(mx, x);
+        if (masked && key0 + 8 * b + 2 * c + e >= limit[h]) s[b][2 * h + e] = -INFINITY;
+        raw = fmaxf(raw, s[b][2 * h + e]);
       }
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    raw = fmaxf(raw, __shfl_xor_sync(0xffffffffu, raw, 1));
+    raw = fmaxf(raw, __shfl_xor_sync(0xffffffffu, raw, 2));
+    const float mx = fmaxf(m[h], raw * scale_log2);
     const float base = mx == -INFINITY ? 0.0f : mx;  // a row with no key yet
     alpha[h] = exp2f(m[h] - base);
     m[h] = mx;
@@ -261,7 +262,7 @@ __device__ __forceinline__ void softmax_tile(float (&s)[kTileKeys / 8][4], float
     for (int b = 0; b < kTileKeys / 8; ++b)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const float pe = exp2f(s[b][2 * h + e] - base);
+        const float pe = exp2f(fmaf(s[b][2 * h + e], scale_log2, -base));
         s[b][2 * h + e] = pe;
         sum += pe;
       }
@@ -377,6 +378,24 @@ __device__ __forceinline__ void finish_rows(const Params& p, const Tile& b,
   }
 }
 
+// This lane's rows of the block (g and g + 8 of warp w's 16): their key
+// limits and Q's fragments in mma.m16n8k16's A layout, one per k16 step over
+// the head dims (zeros for unused rows). wgmma takes the same A layout.
+template <typename T, int D>
+__device__ __forceinline__ void load_q(const Params& p, const Tile& b, int warp, int g, int c,
+                                       int (&limit)[2], std::uint32_t (&qf)[D / 16][4]) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const T* src = row_q<T>(p, b, warp * 16 + g + 8 * h, limit[h]);
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      // a0/a2: row g, dims 2c and 2c + 8; a1/a3: row g + 8.
+      qf[kk][h] = src ? *reinterpret_cast<const std::uint32_t*>(src + 16 * kk + 2 * c) : 0u;
+      qf[kk][h + 2] = src ? *reinterpret_cast<const std::uint32_t*>(src + 16 * kk + 8 + 2 * c) : 0u;
+    }
+  }
+}
+
 template <typename T, int D, bool kInt8>
 __global__ void __launch_bounds__(kThreads) prefill_attention_kernel(const Params p) {
   constexpr int kKSteps = D / 16;     // mma K steps over the head dim (S)
@@ -394,20 +413,9 @@ __global__ void __launch_bounds__(kThreads) prefill_attention_kernel(const Param
   auto load_tile = [&](int tile, int stage) { kv.load(p, b, table, tile, stage); };
   if (b.t_begin < b.t_end) load_tile(b.t_begin, 0);
 
-  // This lane's rows: g and g + 8 of the warp's 16; their key limits and Q
-  // fragments.
   int limit[2];
   std::uint32_t qf[kKSteps][4];
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const T* src = row_q<T>(p, b, warp * 16 + g + 8 * h, limit[h]);
-#pragma unroll
-    for (int kk = 0; kk < kKSteps; ++kk) {
-      // a0/a2: row g, dims 2c and 2c + 8; a1/a3: row g + 8.
-      qf[kk][h] = src ? *reinterpret_cast<const std::uint32_t*>(src + 16 * kk + 2 * c) : 0u;
-      qf[kk][h + 2] = src ? *reinterpret_cast<const std::uint32_t*>(src + 16 * kk + 8 + 2 * c) : 0u;
-    }
-  }
+  load_q<T, D>(p, b, warp, g, c, limit, qf);
 
   float o[kDimBlocks][4];
   zero<D>(o);
@@ -464,29 +472,29 @@ __global__ void __launch_bounds__(kThreads) prefill_attention_kernel(const Param
 
 // The same tile on Hopper's wgmma: the block's four warps are one
 // warpgroup, and each product is one warpgroup MMA per k16 step.
-//   Shared memory holds Q and the K/V tiles in 128-byte-swizzled panels of
-//   64 head dims ([D / 64 panels][rows][128 bytes], chunk c of row r at
-//   c ^ (r % 8)): K-major operands for S = Q K^T (m64n64, D / 16 steps), and
-//   the same V panels read N-major (rows are keys) for O += P V (m64nD, P
-//   from registers, 4 steps of 16 keys).
+//   Q stays in registers in the A layout above (wgmma's A from registers);
+//   shared memory holds the K/V tiles in 128-byte-swizzled panels of 64 head
+//   dims ([D / 64 panels][rows][128 bytes], chunk c of row r at c ^ (r % 8)):
+//   K-major for S = Q K^T (m64n64, D / 16 steps), and the same V panels read
+//   N-major (rows are keys) for O += P V (m64nD, P from registers, 4 steps
+//   of 16 keys).
 //   Each warp's accumulators come out in mma.m16n8k16's C layout for its 16
 //   rows, so the softmax, P's fragments and the store are those above.
-//   Q loads once with K/V tile 0; tiles are double-buffered as above. Each
-//   product waits for its MMAs before the softmax or the next tile reads
-//   their results: the overlap comes from the other blocks on the SM.
+//   Tiles are double-buffered as above. Each product waits for its MMAs
+//   before the softmax or the next tile reads their results: the overlap
+//   comes from the other blocks on the SM, three of them with 16-bit KV
+//   (65 KiB of shared memory each, registers capped to fit).
 template <typename T, int D, bool kInt8>
 constexpr int wgmma_smem_bytes() {
-  return kBlockRows * D * 2 + KvTiles<T, D, kInt8, true>::kBytes + 1024;  // Q, K/V, alignment
+  return KvTiles<T, D, kInt8, true>::kBytes + 1024;  // K/V, alignment
 }
 
 template <typename T, int D, bool kInt8>
-__global__ void __launch_bounds__(kThreads) prefill_attention_wgmma_kernel(const Params p) {
-  constexpr int kPanelBytes = kTileKeys * 128;  // a 64-row panel: Q's and a K/V tile's
-  constexpr std::uint32_t kQBytes = kBlockRows * D * 2;
+__global__ void __launch_bounds__(kThreads, 3) prefill_attention_wgmma_kernel(const Params p) {
+  constexpr int kPanelBytes = kTileKeys * 128;  // a 64-row panel of a K/V tile
   using Kv = KvTiles<T, D, kInt8, true>;
-  static_assert(kBlockRows == kTileKeys, "Q's panels are the size of a K/V tile's");
-  static_assert(kQBytes % 1024 == 0 && Kv::kTile16 % 1024 == 0, "the panels stay 1024-aligned");
-  extern __shared__ __align__(128) unsigned char smem[];  // Q, then the K/V tiles (KvTiles)
+  static_assert(Kv::kTile16 % 1024 == 0, "the panels stay 1024-aligned");
+  extern __shared__ __align__(128) unsigned char smem[];  // the K/V tiles (KvTiles)
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, c = lane % 4;
@@ -494,32 +502,19 @@ __global__ void __launch_bounds__(kThreads) prefill_attention_wgmma_kernel(const
   if (static_cast<int>(blockIdx.z) >= b.parts) return;  // a partition past the tile's keys
   const int* table = p.block_tables + static_cast<std::int64_t>(b.seq) * p.max_blocks;
   const std::uint32_t raw = static_cast<std::uint32_t>(__cvta_generic_to_shared(smem));
-  const std::uint32_t q_base = (raw + 1023u) & ~1023u;
-  const Kv kv{q_base + kQBytes, smem + (q_base - raw) + kQBytes};
+  const std::uint32_t kv_base = (raw + 1023u) & ~1023u;
+  const Kv kv{kv_base, smem + (kv_base - raw)};
   auto load_tile = [&](int tile, int stage) { kv.load(p, b, table, tile, stage); };
-  // Q (zeros past the tile's rows), in tile 0's commit group.
-  for (int i = threadIdx.x; i < kBlockRows * (D / 8); i += kThreads) {
-    const int r = i / (D / 8), ch = i % (D / 8);
-    int unused;
-    const T* src = row_q<T>(p, b, r, unused);
-    cp_async16(q_base + tile_offset<D, true>(r, ch),
-               src ? src + ch * 8 : static_cast<const T*>(p.q), src != nullptr);
-  }
-  if (b.t_begin < b.t_end) {
-    load_tile(b.t_begin, 0);
-  } else {
-    cp_async_commit();
-  }
+  if (b.t_begin < b.t_end) load_tile(b.t_begin, 0);
 
   int limit[2];
-#pragma unroll
-  for (int h = 0; h < 2; ++h) row_q<T>(p, b, warp * 16 + g + 8 * h, limit[h]);
+  std::uint32_t qf[D / 16][4];
+  load_q<T, D>(p, b, warp, g, c, limit, qf);
 
   float o[D / 8][4];
   zero<D>(o);
   float m[2] = {-INFINITY, -INFINITY};
   float l[2] = {0.0f, 0.0f};
-  const std::uint64_t q_desc = wgmma_desc(q_base);
 
   for (int t = b.t_begin; t < b.t_end; ++t) {
     const int stage = await_tile(b, t, load_tile);
@@ -533,7 +528,7 @@ __global__ void __launch_bounds__(kThreads) prefill_attention_wgmma_kernel(const
     const std::uint64_t k_desc = wgmma_desc(k_tile);
     const std::uint64_t v_desc = wgmma_desc_mn(k_tile + Kv::kTile16, kPanelBytes);
 
-    // S = Q K^T: k16 step ks is 32 bytes into panel ks / 4 of both.
+    // S = Q K^T: k16 step ks is 32 bytes into panel ks / 4 of K.
     float s[kTileKeys / 8][4];
 #pragma unroll
     for (int kb = 0; kb < kTileKeys / 8; ++kb)
@@ -543,7 +538,7 @@ __global__ void __launch_bounds__(kThreads) prefill_attention_wgmma_kernel(const
 #pragma unroll
     for (int ks = 0; ks < D / 16; ++ks) {
       const std::uint64_t step = ((ks >> 2) * kPanelBytes + (ks & 3) * 32) >> 4;
-      wgmma_m64k16<T, kTileKeys>(&s[0][0], q_desc + step, k_desc + step);
+      wgmma_m64k16_rs<T, kTileKeys, true>(&s[0][0], qf[ks], k_desc + step);
     }
     wgmma_commit();
     wgmma_wait<0>();
@@ -563,7 +558,6 @@ __global__ void __launch_bounds__(kThreads) prefill_attention_wgmma_kernel(const
     wgmma_wait<0>();
     __syncthreads();  // every warp is done with this stage before it is refilled
   }
-  cp_async_wait<0>();  // Q's copy, when there was no tile to wait for
   finish_rows<T, D>(p, b, o, m, l, warp * 16, g, c);
 }
 

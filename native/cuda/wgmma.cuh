@@ -99,11 +99,12 @@ __device__ __forceinline__ void fence_proxy_async() {
   "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), \
   "+f"(d[62]), "+f"(d[63])
 // The instruction: D += A * B with scale-d 1, no negation; SS: A and B by
-// descriptor, both K-major; RS: A in four registers, B N-major (trans-b 1).
+// descriptor, both K-major; RS: A in four registers, B N-major (TB 1) or
+// K-major (TB 0).
 #define TURBOMQ_WGMMA_SS(N, TY, D, A, B) \
   "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TY "." TY " " D ", " A ", " B ", 1, 1, 1, 0, 0;"
-#define TURBOMQ_WGMMA_RS(N, TY, D, A, B) \
-  "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TY "." TY " " D ", " A ", " B ", 1, 1, 1, 1;"
+#define TURBOMQ_WGMMA_RS(N, TY, D, A, B, TB) \
+  "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TY "." TY " " D ", " A ", " B ", 1, 1, 1, " #TB ";"
 
 // d (N / 2 floats per thread) += A * B; a, b descriptors.
 template <typename T, int N>
@@ -125,26 +126,34 @@ __device__ __forceinline__ void wgmma_m64k16(float* d, std::uint64_t a, std::uin
 }
 
 // d += A * B with A (64 x 16) in registers -- four 32-bit registers per
-// thread in mma.m16n8k16's A layout, warp w holding rows 16 w.. -- and B
-// N-major in shared memory (its rows are k, N contiguous), described by
-// wgmma_desc_mn.
-template <typename T, int N>
+// thread in mma.m16n8k16's A layout, warp w holding rows 16 w.. -- and B in
+// shared memory: N-major (its rows are k, N contiguous; wgmma_desc_mn) or,
+// with kMajorB, K-major (wgmma_desc).
+template <typename T, int N, bool kMajorB = false>
 __device__ __forceinline__ void wgmma_m64k16_rs(float* d, const std::uint32_t* a,
                                                 std::uint64_t b) {
   static_assert(N == 64 || N == 128, "m64n64 or m64n128");
-  if constexpr (N == 64 && std::is_same_v<T, __half>) {
-    TURBOMQ_WGMMA_ASM(TURBOMQ_WGMMA_RS(64, "f16", TURBOMQ_WGMMA_D32, "{%32,%33,%34,%35}", "%36")
-                 : TURBOMQ_WGMMA_OUT32(d) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
-  } else if constexpr (N == 64) {
-    TURBOMQ_WGMMA_ASM(TURBOMQ_WGMMA_RS(64, "bf16", TURBOMQ_WGMMA_D32, "{%32,%33,%34,%35}", "%36")
-                 : TURBOMQ_WGMMA_OUT32(d) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
-  } else if constexpr (std::is_same_v<T, __half>) {
-    TURBOMQ_WGMMA_ASM(TURBOMQ_WGMMA_RS(128, "f16", TURBOMQ_WGMMA_D64, "{%64,%65,%66,%67}", "%68")
-                 : TURBOMQ_WGMMA_OUT64(d) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
-  } else {
-    TURBOMQ_WGMMA_ASM(TURBOMQ_WGMMA_RS(128, "bf16", TURBOMQ_WGMMA_D64, "{%64,%65,%66,%67}", "%68")
-                 : TURBOMQ_WGMMA_OUT64(d) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+  constexpr bool f16 = std::is_same_v<T, __half>;
+#define TURBOMQ_WGMMA_RS_CASE(NN, TY, DD, OUT, A0, B0, TB)                               \
+  TURBOMQ_WGMMA_ASM(TURBOMQ_WGMMA_RS(NN, TY, DD, A0, B0, TB)                             \
+                    : OUT(d) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b))
+#define TURBOMQ_WGMMA_RS_N(NN, DD, OUT, A0, B0)                                           \
+  if constexpr (f16 && kMajorB) {                                                        \
+    TURBOMQ_WGMMA_RS_CASE(NN, "f16", DD, OUT, A0, B0, 0);                                \
+  } else if constexpr (f16) {                                                            \
+    TURBOMQ_WGMMA_RS_CASE(NN, "f16", DD, OUT, A0, B0, 1);                                \
+  } else if constexpr (kMajorB) {                                                        \
+    TURBOMQ_WGMMA_RS_CASE(NN, "bf16", DD, OUT, A0, B0, 0);                               \
+  } else {                                                                               \
+    TURBOMQ_WGMMA_RS_CASE(NN, "bf16", DD, OUT, A0, B0, 1);                               \
   }
+  if constexpr (N == 64) {
+    TURBOMQ_WGMMA_RS_N(64, TURBOMQ_WGMMA_D32, TURBOMQ_WGMMA_OUT32, "{%32,%33,%34,%35}", "%36")
+  } else {
+    TURBOMQ_WGMMA_RS_N(128, TURBOMQ_WGMMA_D64, TURBOMQ_WGMMA_OUT64, "{%64,%65,%66,%67}", "%68")
+  }
+#undef TURBOMQ_WGMMA_RS_N
+#undef TURBOMQ_WGMMA_RS_CASE
 }
 
 }  // namespace cuda

@@ -160,8 +160,8 @@ PREFILL_CASES = [("4 x 512 after 2048", 512, 2048, 4), ("8k causal", 8192, 0, 1)
 def bench_prefill() -> list[dict]:
     """Causal prefill attention: 4 sequences x 512 new tokens after 2048 of
     history, and fresh 8k and 16k prompts; attention.cu (bf16 and INT8 KV)
-    against prefill_attention.cu (mma.sync and wgmma; wgmma with INT8 KV too),
-    side by side."""
+    against prefill_attention.cu (mma.sync and wgmma; wgmma with INT8 KV too,
+    and with its tiles loaded by TMA), side by side."""
     rows = []
     scale = HEAD_DIM ** -0.5
     for case, n, hist, seqs in PREFILL_CASES:
@@ -169,20 +169,24 @@ def bench_prefill() -> list[dict]:
                                        ("attention.cu", "int8", torch.int8),
                                        ("prefill_attention.cu", "bf16", torch.bfloat16),
                                        ("prefill_attention.cu wgmma", "bf16", torch.bfloat16),
-                                       ("prefill_attention.cu wgmma", "int8", torch.int8)):
+                                       ("prefill_attention.cu wgmma", "int8", torch.int8),
+                                       ("prefill_attention.cu wgmma+tma", "bf16",
+                                        torch.bfloat16)):
             ctx = n + hist
             kv, batches = make_pools(seqs, ctx, kv_dtype, 1)
             tables = batches[0].block_tables.cpu().numpy()
             batch = AttentionBatch.build([n] * seqs, [ctx] * seqs, tables, BLOCK, device=DEV)
             q = torch.randn((n * seqs, NUM_HEADS, HEAD_DIM), dtype=torch.bfloat16, device=DEV)
             cuda_ops.PREFILL_ATTENTION = kernel.startswith("prefill_attention.cu")
-            cuda_ops._k.set_prefill_attention_wgmma(kernel.endswith("wgmma"))
+            cuda_ops._k.set_prefill_attention_wgmma("wgmma" in kernel)
+            cuda_ops._k.set_prefill_attention_tma(kernel.endswith("tma"))
             try:
                 t = time_graph(lambda i: cuda_ops.paged_attention(q, kv, batch, scale), calls=5,
                                reps=10)
             finally:
                 cuda_ops.PREFILL_ATTENTION = False
                 cuda_ops._k.set_prefill_attention_wgmma(cuda_ops.PREFILL_WGMMA)
+                cuda_ops._k.set_prefill_attention_tma(cuda_ops.PREFILL_TMA)
             keys = sum(hist + i + 1 for i in range(n)) * seqs
             flops = 4 * keys * NUM_HEADS * HEAD_DIM
             rows.append({"kernel": kernel, "case": case, "kv": name, "seqs": seqs, "new": n,

@@ -3,7 +3,8 @@ Llama-3-8B-shaped model with random bf16 weights (benchmarks/gpu_engine.py):
 
 - attention.cu (16-row tiles, split-K; the default),
 - prefill_attention.cu on mma.sync (TURBOMQ_PREFILL_ATTENTION=1),
-- prefill_attention.cu on wgmma (and TURBOMQ_PREFILL_WGMMA=1).
+- prefill_attention.cu on wgmma (the default on Hopper),
+- the same with its K/V tiles loaded by TMA (TURBOMQ_PREFILL_TMA=1).
 
 Figures per path: time to first token of fresh prompts of 1k, 4k, 8k and 16k
 tokens (one prefill chunk each: max_num_batched_tokens 16384), and of a
@@ -35,16 +36,20 @@ from turbomq.worker.model.llama import LlamaModel  # noqa: E402
 from turbomq.worker.model.ops import cuda as cuda_ops  # noqa: E402
 
 PROMPTS = (1024, 4096, 8192, 16384)
-PATHS = (("attention.cu", False, False), ("prefill kernel, mma.sync", True, False),
-         ("prefill kernel, wgmma", True, True))
+# (name, prefill kernel, on wgmma, TMA loads)
+PATHS = (("attention.cu", False, False, False),
+         ("prefill kernel, mma.sync", True, False, False),
+         ("prefill kernel, wgmma", True, True, False),
+         ("prefill kernel, wgmma + TMA", True, True, True))
 TARGETS = {8192: 250.0, 16384: 600.0}
 TURN_TARGET = 1.1
 TURN_REPEATS = 9
 
 
-def use_path(prefill: bool, wgmma: bool) -> None:
+def use_path(prefill: bool, wgmma: bool, tma: bool) -> None:
     cuda_ops.PREFILL_ATTENTION = prefill
     cuda_ops._k.set_prefill_attention_wgmma(wgmma)
+    cuda_ops._k.set_prefill_attention_tma(tma)
 
 
 def fresh_ttft(engine: Engine, tokens: int, repeats: int) -> float:
@@ -80,8 +85,8 @@ def main() -> None:
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                "repeats": args.repeats, "paths": {}}
     try:
-        for name, prefill, wgmma in PATHS:
-            use_path(prefill, wgmma)
+        for name, prefill, wgmma, tma in PATHS:
+            use_path(prefill, wgmma, tma)
             r = {"fresh_ttft_ms": {}}
             for tokens in PROMPTS:
                 r["fresh_ttft_ms"][tokens] = fresh_ttft(engine, tokens, args.repeats)
@@ -93,7 +98,7 @@ def main() -> None:
             print(f"{name}: turn on 8k {r['turn_on_8k']}", flush=True)
             results["paths"][name] = r
     finally:
-        use_path(cuda_ops.PREFILL_ATTENTION, cuda_ops.PREFILL_WGMMA)
+        use_path(cuda_ops.PREFILL_ATTENTION, cuda_ops.PREFILL_WGMMA, cuda_ops.PREFILL_TMA)
         engine.close()
     (args.out / "prefill.json").write_text(json.dumps(results, indent=2) + "\n")
     text = report(results)

@@ -87,6 +87,8 @@ void bind_cuda(py::module_& parent) {
       .value("SPLIT", cuda::GemmInvariantPath::kSplit);
   m.def("set_prefill_attention_wgmma", &cuda::set_prefill_attention_wgmma, py::arg("on"));
   m.def("prefill_attention_wgmma", &cuda::prefill_attention_wgmma);
+  m.def("set_prefill_attention_tma", &cuda::set_prefill_attention_tma, py::arg("on"));
+  m.def("prefill_attention_tma", &cuda::prefill_attention_tma);
   m.def("set_gemm_invariant_wgmma", &cuda::set_gemm_invariant_wgmma, py::arg("tiled"),
         py::arg("split"));
   m.def("gemm_invariant_wgmma", &cuda::gemm_invariant_wgmma);
@@ -109,7 +111,7 @@ void bind_cuda(py::module_& parent) {
          std::uintptr_t tiles, int num_tiles, int num_heads, int num_kv_heads, int head_dim,
          int block_size, float scale, int partition_size, int num_parts, std::uintptr_t part_o,
          std::uintptr_t part_ml, DType dtype, DType cache_dtype, std::uintptr_t stream,
-         std::uintptr_t counters, bool prefill) {
+         std::uintptr_t counters, bool prefill, std::int64_t cache_blocks) {
         cuda::AttentionArgs a;
         a.out = out;
         a.q = q;
@@ -138,6 +140,7 @@ void bind_cuda(py::module_& parent) {
         a.cache_dtype = cache_dtype;
         a.stream = stream;
         a.counters = counters;
+        a.cache_blocks = cache_blocks;
         if (prefill) {
           cuda::prefill_attention(a);
         } else {
@@ -151,7 +154,7 @@ void bind_cuda(py::module_& parent) {
       py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("block_size"), py::arg("scale"),
       py::arg("partition_size"), py::arg("num_parts"), py::arg("part_o"), py::arg("part_ml"),
       py::arg("dtype"), py::arg("cache_dtype"), py::arg("stream"), py::arg("counters") = 0,
-      py::arg("prefill") = false);
+      py::arg("prefill") = false, py::arg("cache_blocks") = 0);
 }
 
 }  // namespace turbomq

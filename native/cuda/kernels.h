@@ -189,6 +189,7 @@ struct AttentionArgs {
   int partition_size = 0, num_parts = 1;
   std::uintptr_t part_o = 0, part_ml = 0;
   std::uintptr_t counters = 0;  // int32 [num_tiles * nkv], zero: fuse the combine
+  std::int64_t cache_blocks = 0;  // blocks in the pool (the prefill kernel's TMA maps; 0: unknown)
   DType dtype = DType::kBF16, cache_dtype = DType::kBF16;
   std::uintptr_t stream = 0;
 };
@@ -205,6 +206,11 @@ void paged_attention(const AttentionArgs& args);
 void prefill_attention(const AttentionArgs& args);
 void set_prefill_attention_wgmma(bool on);
 bool prefill_attention_wgmma();
+// On wgmma, 16-bit K/V tiles loaded by TMA (one thread, an mbarrier per
+// stage) where the pool's blocks hold whole 64-key tiles (block size >= 64)
+// and cache_blocks is given; else by cp.async as without it.
+void set_prefill_attention_tma(bool on);
+bool prefill_attention_tma();
 constexpr int kPrefillTileRows = 64;
 
 // Rows of one tile and warps of one attention block (for the caller's sizing).

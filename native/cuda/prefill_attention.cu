@@ -26,6 +26,7 @@
 // (Q of >= 64 rows); decode stays on attention.cu.
 #include "mma.cuh"
 #include "paged_batch.cuh"
+#include "tma.cuh"
 #include "wgmma.cuh"
 
 namespace turbomq {
@@ -217,6 +218,70 @@ struct KvTiles {
   }
   __device__ __forceinline__ const float* v_scales(int stage) const {
     return k_scales(stage) + kTileKeys;
+  }
+};
+
+// 16-bit K/V tiles by TMA, for the wgmma kernel: two stages [K][V] of
+// 128-byte-swizzled panels (the layout KvTiles<..., true> writes), each
+// filled by one thread's copies of 64-key x 64-dim boxes through the K and
+// V tensor maps (rows: the pool's [blocks, KV heads, block size] key rows)
+// and completed on the stage's mbarrier. A 64-key tile lies inside one pool
+// block (block size >= 64). Keys past the tile's end are whatever the block
+// holds: their scores are masked, and wait() zeroes their V rows, so that
+// P's zeros never meet a NaN.
+template <typename T, int D>
+struct TmaTiles {
+  static constexpr bool kInt8 = false;
+  static constexpr int kTile16 = kTileKeys * D * 2;
+  static constexpr int kPanelBytes = kTileKeys * 128;
+  static constexpr int kBytes = 2 * 2 * kTile16 + 2 * 8;  // the stages, two mbarriers
+  std::uint32_t base;
+  unsigned char* gbase;
+  const CUtensorMap* k_map;
+  const CUtensorMap* v_map;
+
+  __device__ __forceinline__ std::uint32_t bar(int stage) const {
+    return base + 2 * 2 * kTile16 + 8 * stage;
+  }
+  // Thread 0 sets up the mbarriers; the caller then syncs the block.
+  __device__ __forceinline__ void init() const {
+    if (threadIdx.x == 0) {
+      mbarrier_init(bar(0));
+      mbarrier_init(bar(1));
+      fence_mbarrier_init();
+    }
+  }
+  // Thread 0 starts tile `tile` into `stage`.
+  __device__ __forceinline__ void load(const Params& p, const Tile& b, const int* table, int tile,
+                                       int stage) const {
+    if (threadIdx.x != 0) return;
+    const int tok = tile * kTileKeys;
+    const int block = __ldg(table + (tok >> p.block_shift));
+    const int row = ((block * p.num_kv_heads + b.kvh) << p.block_shift) +
+                    (tok & ((1 << p.block_shift) - 1));
+    const std::uint32_t dst = base + stage * 2 * kTile16;
+    mbarrier_expect_bytes(bar(stage), 2 * kTile16);
+#pragma unroll
+    for (int panel = 0; panel < D / 64; ++panel) {
+      tma_load_2d(dst + panel * kPanelBytes, k_map, panel * 64, row, bar(stage));
+      tma_load_2d(dst + kTile16 + panel * kPanelBytes, v_map, panel * 64, row, bar(stage));
+    }
+  }
+  // Every thread: until tile t (its stage's use-th fill) has landed; then
+  // the V rows at and past `valid` zeroed. Returns the K tile (V follows at
+  // + kTile16); the caller fences and syncs before the MMAs read it.
+  __device__ __forceinline__ std::uint32_t wait(int stage, int use, int valid) const {
+    mbarrier_wait(bar(stage), use & 1);
+    if (valid < kTileKeys) {
+      unsigned char* v = gbase + stage * 2 * kTile16 + kTile16;
+      const int row_chunks = (kTileKeys - valid) * 8;  // 16-byte chunks of a panel's rows
+      for (int i = threadIdx.x; i < (D / 64) * row_chunks; i += kThreads) {
+        const int panel = i / row_chunks, j = i % row_chunks;
+        *reinterpret_cast<uint4*>(v + panel * kPanelBytes + valid * 128 + j * 16) =
+            make_uint4(0, 0, 0, 0);
+      }
+    }
+    return base + stage * 2 * kTile16;
   }
 };
 
@@ -480,21 +545,28 @@ __global__ void __launch_bounds__(kThreads) prefill_attention_kernel(const Param
 //   of 16 keys).
 //   Each warp's accumulators come out in mma.m16n8k16's C layout for its 16
 //   rows, so the softmax, P's fragments and the store are those above.
-//   Tiles are double-buffered as above. Each product waits for its MMAs
-//   before the softmax or the next tile reads their results: the overlap
-//   comes from the other blocks on the SM, three of them with 16-bit KV
-//   (65 KiB of shared memory each, registers capped to fit).
-template <typename T, int D, bool kInt8>
+//   Tiles are double-buffered as above, loaded by cp.async (KvTiles) or,
+//   with kTma, by TMA (TmaTiles). Each product waits for its MMAs before the
+//   softmax or the next tile reads their results: the overlap comes from
+//   the other blocks on the SM, three of them (65 KiB of shared memory
+//   each, registers capped to fit).
+template <typename T, int D, bool kInt8, bool kTma>
+using WgmmaTiles = std::conditional_t<kTma, TmaTiles<T, D>, KvTiles<T, D, kInt8, true>>;
+
+template <typename T, int D, bool kInt8, bool kTma>
 constexpr int wgmma_smem_bytes() {
-  return KvTiles<T, D, kInt8, true>::kBytes + 1024;  // K/V, alignment
+  return WgmmaTiles<T, D, kInt8, kTma>::kBytes + 1024;  // K/V, alignment
 }
 
-template <typename T, int D, bool kInt8>
-__global__ void __launch_bounds__(kThreads, 3) prefill_attention_wgmma_kernel(const Params p) {
+template <typename T, int D, bool kInt8, bool kTma>
+__global__ void __launch_bounds__(kThreads, 3)
+    prefill_attention_wgmma_kernel(const Params p, const __grid_constant__ CUtensorMap k_map,
+                                   const __grid_constant__ CUtensorMap v_map) {
+  static_assert(!(kTma && kInt8), "TMA loads 16-bit tiles");
   constexpr int kPanelBytes = kTileKeys * 128;  // a 64-row panel of a K/V tile
-  using Kv = KvTiles<T, D, kInt8, true>;
+  using Kv = WgmmaTiles<T, D, kInt8, kTma>;
   static_assert(Kv::kTile16 % 1024 == 0, "the panels stay 1024-aligned");
-  extern __shared__ __align__(128) unsigned char smem[];  // the K/V tiles (KvTiles)
+  extern __shared__ __align__(128) unsigned char smem[];  // the K/V tiles
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, c = lane % 4;
@@ -503,7 +575,13 @@ __global__ void __launch_bounds__(kThreads, 3) prefill_attention_wgmma_kernel(co
   const int* table = p.block_tables + static_cast<std::int64_t>(b.seq) * p.max_blocks;
   const std::uint32_t raw = static_cast<std::uint32_t>(__cvta_generic_to_shared(smem));
   const std::uint32_t kv_base = (raw + 1023u) & ~1023u;
-  const Kv kv{kv_base, smem + (kv_base - raw)};
+  Kv kv{kv_base, smem + (kv_base - raw)};
+  if constexpr (kTma) {
+    kv.k_map = &k_map;
+    kv.v_map = &v_map;
+    kv.init();
+    __syncthreads();
+  }
   auto load_tile = [&](int tile, int stage) { kv.load(p, b, table, tile, stage); };
   if (b.t_begin < b.t_end) load_tile(b.t_begin, 0);
 
@@ -517,13 +595,23 @@ __global__ void __launch_bounds__(kThreads, 3) prefill_attention_wgmma_kernel(co
   float l[2] = {0.0f, 0.0f};
 
   for (int t = b.t_begin; t < b.t_end; ++t) {
-    const int stage = await_tile(b, t, load_tile);
-    fence_proxy_async();  // the cp.async data, to the MMAs' (async) proxy
-    __syncthreads();
-    const std::uint32_t k_tile = kv.ready(stage);
-    if constexpr (kInt8) {  // the widened tile (st.shared), for every warp and the MMAs
-      fence_proxy_async();
+    int stage;
+    std::uint32_t k_tile;
+    if constexpr (kTma) {
+      stage = (t - b.t_begin) & 1;
+      if (t + 1 < b.t_end) load_tile(t + 1, stage ^ 1);  // its stage's readers synced below
+      k_tile = kv.wait(stage, (t - b.t_begin) >> 1, b.keys_last - t * kTileKeys);
+      fence_proxy_async();  // the zeroed V rows, to the MMAs' (async) proxy
       __syncthreads();
+    } else {
+      stage = await_tile(b, t, load_tile);
+      fence_proxy_async();  // the cp.async data, to the MMAs' (async) proxy
+      __syncthreads();
+      k_tile = kv.ready(stage);
+      if constexpr (kInt8) {  // the widened tile (st.shared), for every warp and the MMAs
+        fence_proxy_async();
+        __syncthreads();
+      }
     }
     const std::uint64_t k_desc = wgmma_desc(k_tile);
     const std::uint64_t v_desc = wgmma_desc_mn(k_tile + Kv::kTile16, kPanelBytes);
@@ -570,17 +658,36 @@ __global__ void __launch_bounds__(kThreads) prefill_combine_kernel(const Params 
 }
 
 bool g_wgmma = false;  // set_prefill_attention_wgmma
+bool g_tma = false;    // set_prefill_attention_tma
+
+template <typename T, int D, bool kInt8, bool kTma>
+void launch_wgmma(const Params& p, const dim3& grid, cudaStream_t s, const CUtensorMap& k_map,
+                  const CUtensorMap& v_map) {
+  constexpr int kSmem = wgmma_smem_bytes<T, D, kInt8, kTma>();
+  static bool opted_in = false;
+  opt_in_smem(prefill_attention_wgmma_kernel<T, D, kInt8, kTma>, kSmem, opted_in,
+              "prefill_attention: shared memory opt-in");
+  prefill_attention_wgmma_kernel<T, D, kInt8, kTma><<<grid, kThreads, kSmem, s>>>(p, k_map, v_map);
+  check_launch("prefill_attention_wgmma_kernel");
+}
 
 template <typename T, int D, bool kInt8>
-void launch_tiles(const Params& p, int num_tiles, cudaStream_t s) {
+void launch_tiles(const Params& p, int num_tiles, std::int64_t cache_blocks, DType dtype,
+                  cudaStream_t s) {
   const dim3 grid(num_tiles, p.num_kv_heads, p.num_parts);
   if (g_wgmma) {
-    constexpr int kSmem = wgmma_smem_bytes<T, D, kInt8>();
-    static bool opted_in = false;
-    opt_in_smem(prefill_attention_wgmma_kernel<T, D, kInt8>, kSmem, opted_in,
-                "prefill_attention: shared memory opt-in");
-    prefill_attention_wgmma_kernel<T, D, kInt8><<<grid, kThreads, kSmem, s>>>(p);
-    check_launch("prefill_attention_wgmma_kernel");
+    if constexpr (!kInt8) {
+      if (g_tma && p.block_shift >= 6 && cache_blocks > 0) {
+        const std::uint64_t rows =
+            static_cast<std::uint64_t>(cache_blocks * p.num_kv_heads) << p.block_shift;
+        launch_wgmma<T, D, false, true>(
+            p, grid, s, tensor_map_2d(reinterpret_cast<std::uintptr_t>(p.k_cache), rows, D, dtype),
+            tensor_map_2d(reinterpret_cast<std::uintptr_t>(p.v_cache), rows, D, dtype));
+        return;
+      }
+    }
+    const CUtensorMap none{};
+    launch_wgmma<T, D, kInt8, false>(p, grid, s, none, none);
     return;
   }
   constexpr int kSmem = KvTiles<T, D, kInt8, false>::kBytes;
@@ -592,8 +699,10 @@ void launch_tiles(const Params& p, int num_tiles, cudaStream_t s) {
 }
 
 template <typename T, int D>
-void launch(const Params& p, int num_tiles, bool int8, cudaStream_t s) {
-  int8 ? launch_tiles<T, D, true>(p, num_tiles, s) : launch_tiles<T, D, false>(p, num_tiles, s);
+void launch(const Params& p, int num_tiles, bool int8, std::int64_t cache_blocks, DType dtype,
+            cudaStream_t s) {
+  int8 ? launch_tiles<T, D, true>(p, num_tiles, cache_blocks, dtype, s)
+       : launch_tiles<T, D, false>(p, num_tiles, cache_blocks, dtype, s);
   if (p.num_parts > 1 && p.counters == nullptr) {
     prefill_combine_kernel<T, D><<<dim3(num_tiles, p.num_kv_heads), kThreads, 0, s>>>(p);
     check_launch("prefill_combine_kernel");
@@ -604,6 +713,8 @@ void launch(const Params& p, int num_tiles, bool int8, cudaStream_t s) {
 
 void set_prefill_attention_wgmma(bool on) { g_wgmma = on; }
 bool prefill_attention_wgmma() { return g_wgmma; }
+void set_prefill_attention_tma(bool on) { g_tma = on; }
+bool prefill_attention_tma() { return g_tma; }
 
 void prefill_attention(const AttentionArgs& a) {
   const bool int8 = a.cache_dtype == DType::kI8;
@@ -630,10 +741,13 @@ void prefill_attention(const AttentionArgs& a) {
   cudaStream_t s = as_stream(a.stream);
   const int n = a.num_tiles;
   const bool f16 = a.dtype == DType::kF16;
+  const std::int64_t blocks = a.cache_blocks;
   if (a.head_dim == 128) {
-    f16 ? launch<__half, 128>(p, n, int8, s) : launch<__nv_bfloat16, 128>(p, n, int8, s);
+    f16 ? launch<__half, 128>(p, n, int8, blocks, a.dtype, s)
+        : launch<__nv_bfloat16, 128>(p, n, int8, blocks, a.dtype, s);
   } else {
-    f16 ? launch<__half, 64>(p, n, int8, s) : launch<__nv_bfloat16, 64>(p, n, int8, s);
+    f16 ? launch<__half, 64>(p, n, int8, blocks, a.dtype, s)
+        : launch<__nv_bfloat16, 64>(p, n, int8, blocks, a.dtype, s);
   }
 }
 

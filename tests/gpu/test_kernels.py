@@ -467,17 +467,22 @@ def test_prefill_with_history(group, d, dtype, kv_kind, partition_size, gen):
     check_attention(q, kv, batch, dtype, partition_size)
 
 
-@pytest.fixture(params=["mma.sync", "wgmma"])
+@pytest.fixture(params=["mma.sync", "wgmma", "wgmma+tma"])
 def prefill_mma(request):
-    """The prefill kernel on either kind of MMA (set_prefill_attention_wgmma)."""
-    cuda_ops._k.set_prefill_attention_wgmma(request.param == "wgmma")
-    assert cuda_ops._k.prefill_attention_wgmma() == (request.param == "wgmma")
+    """The prefill kernel on either kind of MMA (set_prefill_attention_wgmma),
+    and on wgmma with its 16-bit tiles loaded by TMA (block size >= 64)."""
+    wgmma, tma = request.param != "mma.sync", request.param == "wgmma+tma"
+    cuda_ops._k.set_prefill_attention_wgmma(wgmma)
+    cuda_ops._k.set_prefill_attention_tma(tma)
+    assert cuda_ops._k.prefill_attention_wgmma() == wgmma
+    assert cuda_ops._k.prefill_attention_tma() == tma
     yield request.param
     cuda_ops._k.set_prefill_attention_wgmma(cuda_ops.PREFILL_WGMMA)
+    cuda_ops._k.set_prefill_attention_tma(cuda_ops.PREFILL_TMA)
 
 
 @pytest.mark.parametrize("kv_kind", KV_KINDS)
-@pytest.mark.parametrize("bs", [16, 64])
+@pytest.mark.parametrize("bs", [16, 64, 128])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("group", [1, 4, 8])
@@ -498,10 +503,12 @@ def test_prefill_kernel_with_history(group, d, dtype, bs, kv_kind, gen, monkeypa
     check_attention(q, kv, batch, dtype)
 
 
+@pytest.mark.parametrize("bs", [16, 64])
 @pytest.mark.parametrize("kv_kind", KV_KINDS)
 @pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("group", [1, 4])
-def test_prefill_kernel_split_over_keys(group, fused, kv_kind, gen, monkeypatch, prefill_mma):
+def test_prefill_kernel_split_over_keys(group, fused, kv_kind, bs, gen, monkeypatch,
+                                        prefill_mma):
     """Split-K in the prefill kernel (a turn on a long session, few tiles):
     partitions of 64 keys and more, a last one cut short, partitions past a
     tile's keys, combined in the last block or in a second kernel."""
@@ -511,7 +518,7 @@ def test_prefill_kernel_split_over_keys(group, fused, kv_kind, gen, monkeypatch,
     q_lens = [128, 64, 70, 200]
     hist = [8000, 1000, 5, 300]
     ctx = [n + h for n, h in zip(q_lens, hist)]
-    q, kv, batch = make_attention_case(q_lens, ctx, 2, group, 128, 16, torch.bfloat16,
+    q, kv, batch = make_attention_case(q_lens, ctx, 2, group, 128, bs, torch.bfloat16,
                                        torch.bfloat16 if kv_kind == "same" else torch.int8, gen)
     nkv = 2
     tiles, num_tiles = cuda_ops._tiles(batch, group, q.device, cuda_ops._k.PREFILL_TILE_ROWS,
@@ -533,6 +540,29 @@ def test_prefill_kernel_long_prompt_and_fallbacks(gen, monkeypatch, prefill_mma)
                                        gen)
     check_attention(q, kv, batch, dtype)
     check_attention(q, kv, batch, dtype, partition_size=64)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_prefill_kernel_ignores_what_lies_past_the_keys(d, gen, monkeypatch, prefill_mma):
+    """The cache rows past each sequence's last key, in its last block, hold
+    NaN (what a reused block may hold): the TMA path loads them with the
+    tile, and its zeroed V rows keep them out of the output; every path
+    matches the reference run on a clean copy."""
+    monkeypatch.setattr(cuda_ops, "PREFILL_ATTENTION", True)
+    dtype, bs = torch.bfloat16, 64
+    q_lens, hist = [70, 64, 130], [0, 37, 100]
+    ctx = [n + h for n, h in zip(q_lens, hist)]
+    q, kv, batch = make_attention_case(q_lens, ctx, 2, 4, d, bs, dtype, dtype, gen)
+    clean = clone_kv(kv)
+    tables = batch.block_tables.cpu()
+    for s, c in enumerate(ctx):
+        last = int(tables[s, (c - 1) // bs])
+        kv.k[last, :, c % bs or bs:] = float("nan")
+        kv.v[last, :, c % bs or bs:] = float("nan")
+    scale = d ** -0.5
+    got = cuda_ops.paged_attention(q, kv, batch, scale)
+    assert torch.isfinite(got).all()
+    assert rel_err(got, ref.paged_attention(q, clean, batch, scale)) < TOL[dtype]
 
 
 def test_attention_after_write_kv(gen):

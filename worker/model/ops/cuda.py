@@ -100,6 +100,10 @@ def _on_hopper(variable: str) -> bool:
 # a warpgroup per 64-row tile. On by default on Hopper
 # (TURBOMQ_PREFILL_WGMMA=0 keeps mma.sync).
 PREFILL_WGMMA = _on_hopper("TURBOMQ_PREFILL_WGMMA")
+# On wgmma, 16-bit K/V tiles loaded by TMA where the pool's blocks hold
+# 64-key tiles (block size >= 64); TURBOMQ_PREFILL_TMA=1 turns it on. Off
+# until measured on a GPU.
+PREFILL_TMA = os.environ.get("TURBOMQ_PREFILL_TMA", "0") == "1"
 # linear_invariant's tiled launch shape on Hopper's wgmma, the split shape
 # (at most INVARIANT_SPLIT_MAX_ROWS rows) on mma.sync: the faster kind of
 # each (docs/benchmarks/gemm_invariant.md). The two kinds give the same bits
@@ -139,6 +143,7 @@ if _k is not None:
     _k.set_fp8_gemv_max_tiles(FP8_GEMV_MAX_TILES)
     set_invariant_wgmma(INVARIANT_WGMMA)
     _k.set_prefill_attention_wgmma(PREFILL_WGMMA)
+    _k.set_prefill_attention_tma(PREFILL_TMA)
     _DTYPES = {torch.float16: _k.DType.F16, torch.bfloat16: _k.DType.BF16,
                torch.int8: _k.DType.I8, torch.float32: _k.DType.F32}
 else:
@@ -734,7 +739,7 @@ def _launch_attention(out, q, kv, batch, scale, tiles, num_tiles, part_size, par
             kv.block_size, float(scale), part_size, parts,
             *((0, 0) if partials is None else (t.data_ptr() for t in partials)),
             _DTYPES[q.dtype], _DTYPES[kv.k.dtype], _stream(q),
-            0 if counters is None else counters.data_ptr(), prefill)
+            0 if counters is None else counters.data_ptr(), prefill, kv.k.shape[0])
     return out
 
 

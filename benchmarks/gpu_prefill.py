@@ -84,6 +84,7 @@ def main() -> None:
                                  prefix_caching=False), model=model)
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                "repeats": args.repeats, "paths": {}}
+    default = (cuda_ops.PREFILL_ATTENTION, cuda_ops.PREFILL_WGMMA, cuda_ops.PREFILL_TMA)
     try:
         for name, prefill, wgmma, tma in PATHS:
             use_path(prefill, wgmma, tma)
@@ -98,7 +99,7 @@ def main() -> None:
             print(f"{name}: turn on 8k {r['turn_on_8k']}", flush=True)
             results["paths"][name] = r
     finally:
-        use_path(cuda_ops.PREFILL_ATTENTION, cuda_ops.PREFILL_WGMMA, cuda_ops.PREFILL_TMA)
+        use_path(*default)
         engine.close()
     (args.out / "prefill.json").write_text(json.dumps(results, indent=2) + "\n")
     text = report(results)

@@ -231,7 +231,9 @@ def read_streams_killing_a_worker(svc: "Cluster", streams: list, streams_started
     """Read every stream a delta at a time, checking seq and index have no gap
     or repeat; once `streams_started` streams hold `tokens_each` tokens,
     SIGKILL whichever of w0 and w1 runs more of them (on a loaded machine the
-    other may have none left). Returns the streams' tokens and finals."""
+    other may have none left), at the first pass where one runs any: killing
+    an idle worker would test nothing. Returns the streams' tokens and
+    finals."""
     tokens: list[list[int]] = [[] for _ in streams]
     seqs = [0] * len(streams)
     finals: list = [None] * len(streams)
@@ -250,9 +252,11 @@ def read_streams_killing_a_worker(svc: "Cluster", streams: list, streams_started
         if not killed and sum(len(t) >= tokens_each for t in tokens) >= streams_started:
             running = {w: svc.metrics(w).get(("turbomq_requests_running",), 0)
                        for w in ("w0", "w1")}
-            svc.kill_worker(max(running, key=running.get))
-            killed = True
-    assert killed, "every stream ended before the kill"
+            victim = max(running, key=running.get)
+            if running[victim] > 0:
+                svc.kill_worker(victim)
+                killed = True
+    assert killed, "every stream was generated before the kill (the workers outran the reader)"
     return tokens, finals
 
 

@@ -110,15 +110,13 @@ PREFILL_TMA = os.environ.get("TURBOMQ_PREFILL_TMA", "0") == "1"
 # on the H100 (tests/gpu/test_batch_invariant_gemm.py holds the GPU to it),
 # so the mix stays batch-invariant. TURBOMQ_INVARIANT_WGMMA=0: mma.sync only.
 INVARIANT_WGMMA = _on_hopper("TURBOMQ_INVARIANT_WGMMA")
-_INVARIANT_TILED_WGMMA = False  # set_invariant_wgmma
 
 
 def set_invariant_wgmma(tiled: bool, split: bool = False) -> None:
     """Which launch shapes of linear_invariant run on wgmma (the others on
-    mma.sync); set before CUDA graphs are captured."""
-    global _INVARIANT_TILED_WGMMA
+    mma.sync; by default the split shape stays on mma.sync); set before CUDA
+    graphs are captured."""
     _k.set_gemm_invariant_wgmma(tiled, split)
-    _INVARIANT_TILED_WGMMA = tiled
 
 
 def unavailable_reason() -> Optional[str]:
@@ -788,7 +786,7 @@ def _invariant_path(path: Optional[str], rows: int, n_out: int, k_in: int,
         split = _k.GemmInvariantPath.SPLIT
         tile = _k.GEMM_INVARIANT_TILE
         fits = _k.gemm_invariant_workspace(rows, n_out, k_in, split) <= INVARIANT_MAX_WORKSPACE
-        idle = (not _INVARIANT_TILED_WGMMA
+        idle = (not _k.gemm_invariant_wgmma()[0]  # the tiled shape on mma.sync
                 and -(-rows // tile) * -(-n_out // tile) < _sm_count(device))
         path = "split" if fits and (rows <= INVARIANT_SPLIT_MAX_ROWS or idle) else "tiled"
     if path not in ("split", "tiled"):

@@ -52,7 +52,7 @@ def ttft_ms(engine: Engine, repeats: int = 5) -> float:
     times = []
     for i in range(repeats):
         t0 = sync_time()
-        engine.generate(input_ids=list(range(2000 + i, 2128 + i)),
+        engine.generate(input_ids=[list(range(2000 + i, 2128 + i))],
                         params=SamplingParams(max_tokens=1, **GREEDY))
         times.append((time.perf_counter() - t0) * 1e3)
     return sorted(times)[repeats // 2]
@@ -141,7 +141,7 @@ def main() -> None:
             results["cases"][name] = {"max_batch_size": batch,
                                       **measure(tmp, case, work, batch)}
             print(name, json.dumps(results["cases"][name]), flush=True)
-    write_report(args.out, results)
+            write_report(args.out, results)  # what is done so far, should a later case fail
     print((args.out / "tensor_parallel.md").read_text())
 
 

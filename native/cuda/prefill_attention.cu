@@ -600,9 +600,14 @@ __global__ void __launch_bounds__(kThreads, 3)
     if constexpr (kTma) {
       stage = (t - b.t_begin) & 1;
       if (t + 1 < b.t_end) load_tile(t + 1, stage ^ 1);  // its stage's readers synced below
-      k_tile = kv.wait(stage, (t - b.t_begin) >> 1, b.keys_last - t * kTileKeys);
-      fence_proxy_async();  // the zeroed V rows, to the MMAs' (async) proxy
-      __syncthreads();
+      // Each thread waits on the mbarrier itself; the block syncs only
+      // where wait() zeroed V rows (a tile past the keys' end).
+      const int valid = b.keys_last - t * kTileKeys;
+      k_tile = kv.wait(stage, (t - b.t_begin) >> 1, valid);
+      if (valid < kTileKeys) {
+        fence_proxy_async();  // the zeroed V rows, to the MMAs' (async) proxy
+        __syncthreads();
+      }
     } else {
       stage = await_tile(b, t, load_tile);
       fence_proxy_async();  // the cp.async data, to the MMAs' (async) proxy

@@ -101,9 +101,10 @@ def _on_hopper(variable: str) -> bool:
 # (TURBOMQ_PREFILL_WGMMA=0 keeps mma.sync).
 PREFILL_WGMMA = _on_hopper("TURBOMQ_PREFILL_WGMMA")
 # On wgmma, 16-bit K/V tiles loaded by TMA where the pool's blocks hold
-# 64-key tiles (block size >= 64); TURBOMQ_PREFILL_TMA=1 turns it on. Off
-# until measured on a GPU.
-PREFILL_TMA = os.environ.get("TURBOMQ_PREFILL_TMA", "0") == "1"
+# 64-key tiles (block size >= 64, the default): 442 against 277 TFLOP/s on
+# 8k causal (docs/benchmarks/kernels_prefill.md). TURBOMQ_PREFILL_TMA=0
+# keeps cp.async.
+PREFILL_TMA = _on_hopper("TURBOMQ_PREFILL_TMA")
 # linear_invariant's tiled launch shape on Hopper's wgmma, the split shape
 # (at most INVARIANT_SPLIT_MAX_ROWS rows) on mma.sync: the faster kind of
 # each (docs/benchmarks/gemm_invariant.md). The two kinds give the same bits

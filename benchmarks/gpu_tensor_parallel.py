@@ -83,7 +83,8 @@ def measure(path: str, case: dict, work: list, max_batch_size: int) -> dict:
                             params=SamplingParams(max_tokens=8, **GREEDY))
         out = {"load_s": load_s, "kv_tokens_capacity": engine.max_tokens_in_pool}
         out.update(decode_batch1(engine))
-        out.update(run_offline(engine, work))
+        if work:
+            out.update(run_offline(engine, work))
         return out
     finally:
         engine.close()
@@ -106,8 +107,8 @@ def write_report(out: Path, r: dict) -> None:
     for name, c in r["cases"].items():
         rows.append(f"| {name} | {c['decode_tok_per_s']:.1f} | "
                     f"{c['decode_tok_per_s'] / base['decode_tok_per_s']:.2f}x | "
-                    f"{c['ttft_ms']:.1f} | {c['output_tok_per_s']:,.0f} | "
-                    f"{c['output_tok_per_s'] / base['output_tok_per_s']:.2f}x | "
+                    f"{c['ttft_ms']:.1f} | {c.get('output_tok_per_s', 0):,.0f} | "
+                    f"{c.get('output_tok_per_s', 0) / base.get('output_tok_per_s', 1):.2f}x | "
                     f"{c['max_batch_size']} | {c['kv_tokens_capacity']:,} | {c['load_s']:.0f} |")
     rows += ["", "Two GPUs hold the weights once between them, so each has about half "
              "the weight memory free for KV (the pool column counts tokens; every rank "
@@ -122,24 +123,32 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--max-batch-size", type=int, default=64)
+    ap.add_argument("--without-nccl", action="store_true",
+                    help="leave out the two-GPU row with every all-reduce through NCCL")
+    ap.add_argument("--only", help="run only the engine of this name")
+    ap.add_argument("--checkpoint", type=Path,
+                    help="keep the converted checkpoint here (reused where it exists)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if torch.cuda.device_count() < 2:
         raise SystemExit("tensor parallel benchmark: needs 2 CUDA devices")
-    cfg = LLAMA3_8B
-    tensors = {k: v.cpu() for k, v in random_tensors(cfg).items()}
-    torch.cuda.empty_cache()
     work = sharegpt_like(args.requests)
     results = {"device": torch.cuda.get_device_name(), "gpus": 2, "requests": args.requests,
                "cases": {}}
     with tempfile.TemporaryDirectory(prefix="turbomq-tp-") as tmp:
-        save_converted(Checkpoint(cfg, tensors), tmp)
-        del tensors
+        path = str(args.checkpoint or tmp)
+        if not (args.checkpoint and args.checkpoint.exists()):
+            tensors = {k: v.cpu() for k, v in random_tensors(LLAMA3_8B).items()}
+            torch.cuda.empty_cache()
+            save_converted(Checkpoint(LLAMA3_8B, tensors), path)
+            del tensors
         for name, case, peer, batch in CASES:
+            if (args.without_nccl and not peer) or (args.only and args.only != name):
+                continue
             peer_all_reduce(peer)
             batch *= args.max_batch_size
             results["cases"][name] = {"max_batch_size": batch,
-                                      **measure(tmp, case, work, batch)}
+                                      **measure(path, case, work, batch)}
             print(name, json.dumps(results["cases"][name]), flush=True)
             write_report(args.out, results)  # what is done so far, should a later case fail
     print((args.out / "tensor_parallel.md").read_text())

@@ -1,21 +1,30 @@
 // One-shot all-reduce over peer memory (NVLink), for the small messages of
-// tensor-parallel decode (a 4096-wide row is 8 KiB): every rank copies its
-// input into its own buffer, which every peer has mapped (CUDA IPC), meets
-// the peers at a flag barrier, then reads all ranks' buffers and sums them
-// itself. One kernel, no NCCL launch, no ring steps: at batch 1 the cost is
-// one NVLink round trip instead of NCCL's protocol overhead. Every rank sums
+// tensor-parallel decode (a 4096-wide row is 8 KiB). Every rank's buffer is
+// mapped by every peer (CUDA IPC) and holds a slot per rank. Pushing (the
+// default): every rank writes its input into its slot of every rank's
+// buffer, meets the peers at a flag barrier, then sums the slots of its own
+// buffer. Pulling: every rank writes its input into its slot of its own
+// buffer and, after the barrier, reads each peer's slot from the peer's
+// buffer. One kernel, no NCCL launch, no ring steps; pushing leaves only
+// posted NVLink writes before the barrier and local reads after it, where
+// pulling waits for a read round trip over NVLink. Every rank sums
 // in rank order in fp32 and rounds once, so all ranks hold the same bits,
 // whatever the grid. The residual add of the projection it completes is
 // fused (out = residual + round(sum)), rounded as the separate add rounds.
 //
 // Layout of each rank's buffer (zeroed at allocation): the flags peers set
 // at the barrier ([block][rank] uint32), this rank's call counter and block
-// count (read only by this rank), then two data halves of `capacity` bytes.
-// Call n uses half n % 2: a rank can only start call n + 2 after every peer
-// has arrived at call n + 1, i.e. finished call n (kernels on one stream run
-// in order), so no peer still reads that half. The counter lives on the
-// device so that CUDA graphs replay the kernel with fresh flags; the last
-// block of a call to finish advances it (every block has read it by then).
+// count (read only by this rank), then two data halves of one `capacity`
+// byte slot per rank. Call n uses half n % 2: a rank can only start call
+// n + 2 after every peer has arrived at call n + 1, i.e. finished call n
+// (kernels on one stream run in order), so no peer still reads or writes
+// that half. The counter lives on the device so that CUDA graphs replay the
+// kernel with fresh flags; the last block of a call to finish advances it
+// (every block has read it by then).
+// Launched as a programmatic dependent (where programmatic_launch() is on),
+// it waits for the projection before anything else and lets the next
+// kernel start at once, so the next GEMV fetches its weights while this one
+// waits at the barrier.
 #include <algorithm>
 #include <cstring>
 
@@ -61,17 +70,30 @@ __device__ __forceinline__ void add8(float* acc, const uint4& v) {
   for (int e = 0; e < 8; ++e) acc[e] += f[e];
 }
 
-template <typename T, int R>
+template <typename T, int R, bool kPush>
 __global__ void __launch_bounds__(kThreads) all_reduce_kernel(const AllReduceArgs a) {
+  grid_dependency_wait();  // the input, the residual and the last call's counter
+  launch_dependents();
   Header* self = reinterpret_cast<Header*>(a.buffers[a.rank]);
   const std::uint32_t call = *reinterpret_cast<volatile std::uint32_t*>(&self->counter) + 1;
-  const std::int64_t half = static_cast<std::int64_t>(call & 1) * a.capacity;
+  const std::int64_t half = static_cast<std::int64_t>(call & 1) * R * a.capacity;
   const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * kThreads;
   const std::int64_t first = static_cast<std::int64_t>(blockIdx.x) * kThreads + threadIdx.x;
-  uint4* mine = reinterpret_cast<uint4*>(a.buffers[a.rank] + kDataOffset + half);
+  // Slot s of rank b's buffer in this call's half.
+  auto slot = [&](int b, int s) {
+    return reinterpret_cast<uint4*>(a.buffers[b] + kDataOffset + half + s * a.capacity);
+  };
   // Each block copies and later reduces the same vectors on every rank, so
   // it needs only the same block of each peer at the barrier.
-  for (std::int64_t v = first; v < a.vectors; v += stride) mine[v] = a.in[v];
+  for (std::int64_t v = first; v < a.vectors; v += stride) {
+    const uint4 x = a.in[v];
+    if constexpr (kPush) {
+#pragma unroll
+      for (int r = 0; r < R; ++r) slot(r, a.rank)[v] = x;
+    } else {
+      slot(a.rank, a.rank)[v] = x;
+    }
+  }
   __syncthreads();
   if (threadIdx.x < R) {
     Header* peer = reinterpret_cast<Header*>(a.buffers[threadIdx.x]);
@@ -82,12 +104,11 @@ __global__ void __launch_bounds__(kThreads) all_reduce_kernel(const AllReduceArg
   __syncthreads();
   const uint4* data[R];
 #pragma unroll
-  for (int r = 0; r < R; ++r)
-    data[r] = reinterpret_cast<const uint4*>(a.buffers[r] + kDataOffset + half);
+  for (int r = 0; r < R; ++r) data[r] = slot(kPush ? a.rank : r, r);
   for (std::int64_t v = first; v < a.vectors; v += stride) {
     float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
-    for (int r = 0; r < R; ++r) add8<T>(acc, data[r][v]);
+    for (int r = 0; r < R; ++r) add8<T>(acc, __ldcg(data[r] + v));  // past L1: peers wrote it
     if (a.residual != nullptr) {
       float res[8];
       unpack8<T>(a.residual[v], res);
@@ -105,27 +126,40 @@ __global__ void __launch_bounds__(kThreads) all_reduce_kernel(const AllReduceArg
   }
 }
 
+bool g_push = true;  // set_all_reduce_push
+
+template <typename T, int R>
+void launch_ranks(const AllReduceArgs& a, int blocks, cudaStream_t s) {
+  const char* name = "all_reduce_kernel";
+  g_push ? launch_programmatic(all_reduce_kernel<T, R, true>, a, dim3(blocks), kThreads, 0, s, name)
+         : launch_programmatic(all_reduce_kernel<T, R, false>, a, dim3(blocks), kThreads, 0, s,
+                               name);
+}
+
 template <typename T>
 void launch_all_reduce(const AllReduceArgs& a, int blocks, cudaStream_t s) {
   switch (a.ranks) {
-    case 2: all_reduce_kernel<T, 2><<<blocks, kThreads, 0, s>>>(a); break;
-    case 4: all_reduce_kernel<T, 4><<<blocks, kThreads, 0, s>>>(a); break;
-    case 8: all_reduce_kernel<T, 8><<<blocks, kThreads, 0, s>>>(a); break;
+    case 2: launch_ranks<T, 2>(a, blocks, s); break;
+    case 4: launch_ranks<T, 4>(a, blocks, s); break;
+    case 8: launch_ranks<T, 8>(a, blocks, s); break;
     default: require(false, "all_reduce: 2, 4 or 8 ranks");
   }
-  check_launch("all_reduce_kernel");
 }
 
 }  // namespace
 
-std::size_t all_reduce_buffer_bytes(std::int64_t capacity) {
-  return kDataOffset + 2 * static_cast<std::size_t>(capacity);
+void set_all_reduce_push(bool on) { g_push = on; }
+bool all_reduce_push() { return g_push; }
+
+std::size_t all_reduce_buffer_bytes(std::int64_t capacity, int ranks) {
+  return kDataOffset + 2 * static_cast<std::size_t>(ranks) * static_cast<std::size_t>(capacity);
 }
 
-std::uintptr_t all_reduce_buffer_alloc(std::int64_t capacity) {
+std::uintptr_t all_reduce_buffer_alloc(std::int64_t capacity, int ranks) {
   require(capacity > 0 && capacity % 16 == 0, "all_reduce: capacity must be a multiple of 16");
+  require(ranks >= 2 && ranks <= kAllReduceMaxRanks, "all_reduce: 2 to 8 ranks");
   void* p = nullptr;
-  const std::size_t bytes = all_reduce_buffer_bytes(capacity);
+  const std::size_t bytes = all_reduce_buffer_bytes(capacity, ranks);
   check_cuda(cudaMalloc(&p, bytes), "all_reduce: cudaMalloc");
   check_cuda(cudaMemset(p, 0, bytes), "all_reduce: cudaMemset");
   check_cuda(cudaDeviceSynchronize(), "all_reduce: zeroing");

@@ -52,7 +52,10 @@ void bind_cuda(py::module_& parent) {
         py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("block_size"),
         py::arg("dtype"), py::arg("cache_dtype"), py::arg("stream"));
   m.attr("ALL_REDUCE_MAX_RANKS") = cuda::kAllReduceMaxRanks;
-  m.def("all_reduce_buffer_alloc", &cuda::all_reduce_buffer_alloc, py::arg("capacity"));
+  m.def("all_reduce_buffer_alloc", &cuda::all_reduce_buffer_alloc, py::arg("capacity"),
+        py::arg("ranks"));
+  m.def("set_all_reduce_push", &cuda::set_all_reduce_push, py::arg("on"));
+  m.def("all_reduce_push", &cuda::all_reduce_push);
   m.def("all_reduce_buffer_free", &cuda::all_reduce_buffer_free, py::arg("buffer"));
   m.def("ipc_handle", [](std::uintptr_t buffer) { return py::bytes(cuda::ipc_handle(buffer)); },
         py::arg("buffer"));

@@ -219,15 +219,20 @@ constexpr int kAttentionPartitionAlign = 64;
 
 // Tensor-parallel all-reduce over peer memory (one-shot, for small
 // messages). Each rank allocates a buffer for messages of up to `capacity`
-// bytes, shares it with ipc_handle, maps the peers' with ipc_open, then on
+// bytes from each of `ranks` ranks, shares it with ipc_handle, maps the peers' with ipc_open, then on
 // every rank in the same order calls all_reduce with every rank's buffer (its
 // own and the mapped ones, in rank order): out = in summed over the ranks,
 // or with `residual` != 0, out = residual + that (out may be in or
-// residual). 16-bit elements, 16-byte aligned, 16-byte multiples.
+// residual). 16-bit elements, 16-byte aligned, 16-byte multiples. Every
+// rank pushes its input into every buffer (the default) or, with
+// set_all_reduce_push(false), reads the peers' inputs from theirs; all
+// ranks must agree.
 constexpr int kAllReduceMaxRanks = 8;
 constexpr int kAllReduceMaxBlocks = 64;
-std::size_t all_reduce_buffer_bytes(std::int64_t capacity);
-std::uintptr_t all_reduce_buffer_alloc(std::int64_t capacity);
+std::size_t all_reduce_buffer_bytes(std::int64_t capacity, int ranks);
+std::uintptr_t all_reduce_buffer_alloc(std::int64_t capacity, int ranks);
+void set_all_reduce_push(bool on);
+bool all_reduce_push();
 void all_reduce_buffer_free(std::uintptr_t buffer);
 std::string ipc_handle(std::uintptr_t buffer);
 std::uintptr_t ipc_open(const std::string& handle);

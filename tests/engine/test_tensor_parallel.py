@@ -103,3 +103,9 @@ def test_shards_tile_each_weight():
     gate, up = gate_up.chunk(2)
     assert torch.equal(torch.cat([parts[r]["gate_up"][:6] for r in range(2)]), gate)
     assert torch.equal(torch.cat([parts[r]["gate_up"][6:] for r in range(2)]), up)
+    # the lm_head by vocabulary rows where the ranks divide the vocabulary
+    head = torch.arange(32 * 16, dtype=torch.float32).reshape(32, 16)
+    assert torch.equal(torch.cat([shard_weight(cfg, "lm_head.weight", head, r, 2)
+                                  for r in range(2)]), head)
+    assert shard_weight(cfg, "lm_head.weight", head, 0, 2).shape == (16, 16)
+    assert shard_weight(cfg, "lm_head.weight", head, 1, 3) is head

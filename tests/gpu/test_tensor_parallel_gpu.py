@@ -60,16 +60,18 @@ def test_two_gpus_graph_decode_equals_eager(tmp_path):
 
 
 
-def _peer_all_reduce_rank(rank: int, port: int, failures) -> None:
+def _peer_all_reduce_rank(rank: int, port: int, push: bool, failures) -> None:
     """One rank: the peer-memory all-reduce against NCCL's, bit for bit (two
     ranks: one rounding of a + b either way), over messages of changing size
     (each a different grid), with the residual add fused, and replayed from a
     CUDA graph with fresh inputs."""
+    from turbomq.worker.model.ops import cuda as cuda_ops
     from turbomq.worker.model.parallel import ParallelConfig, TensorParallel
 
     tp = TensorParallel(ParallelConfig(2, rank, f"tcp://127.0.0.1:{port}"),
                         torch.device("cuda", rank))
     try:
+        cuda_ops._k.set_all_reduce_push(push)
         assert tp.peer is not None, "no peer all-reduce between the two GPUs"
         g = torch.Generator(device="cuda").manual_seed(rank)
         for rows, dtype in [(1, torch.bfloat16), (3, torch.float16), (64, torch.bfloat16),
@@ -119,7 +121,8 @@ def dist_all_reduce(t: torch.Tensor) -> None:
     dist.all_reduce(t)
 
 
-def test_peer_all_reduce_equals_nccl_and_replays_in_graphs():
+@pytest.mark.parametrize("push", [True, False], ids=["push", "pull"])
+def test_peer_all_reduce_equals_nccl_and_replays_in_graphs(push):
     import socket
 
     import torch.multiprocessing as mp
@@ -129,7 +132,7 @@ def test_peer_all_reduce_equals_nccl_and_replays_in_graphs():
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     failures = ctx.SimpleQueue()
-    procs = [ctx.Process(target=_peer_all_reduce_rank, args=(r, port, failures)) for r in range(2)]
+    procs = [ctx.Process(target=_peer_all_reduce_rank, args=(r, port, push, failures)) for r in range(2)]
     for p in procs:
         p.start()
     for p in procs:

@@ -275,7 +275,8 @@ class ModelRunner:
 
     def forward(self, step: StepInputs, rows: Optional[Sequence[int]] = None) -> torch.Tensor:
         """Run one step's forward; logits of the sequences in `rows` (their
-        last new token), none when `rows` is None (the other ranks)."""
+        last new token); `rows` None: the other ranks, whose logits are
+        dropped."""
         if step.graphed:  # decode-only: every row's logits
             return self.graphs.run(step.ids, step.ctx_lens, step.tables, step.prev_rows)
         # Every input reaches the device without waiting for it, so this
@@ -291,7 +292,10 @@ class ModelRunner:
                                       [step.prev_rows[r] for r in rows_in_flight], torch.long,
                                       self.device)))
         if rows is None:
-            picked = torch.empty(0, dtype=torch.long, device=self.device)
+            # another rank: as many rows as rank 0 where the logits are
+            # gathered over the ranks (their values are dropped), else none
+            count = max(step.sampled, 1) if self.model.gather_logits else 0
+            picked = to_device(ends[:count], torch.long, self.device)
         else:
             picked = to_device(ends[list(rows)] if rows else ends[:1], torch.long, self.device)
         return self.model.forward(input_ids, batch, self.kv_cache, picked)

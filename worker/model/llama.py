@@ -13,7 +13,7 @@ import torch
 
 from .config import ModelConfig
 
-from .parallel import shard_weight
+from .parallel import shard_weight, vocab_parallel
 
 if TYPE_CHECKING:
     from .parallel import TensorParallel
@@ -55,18 +55,22 @@ class LlamaModel:
         self.dtype = dtype or parse_dtype(config.torch_dtype)
         self.deterministic = deterministic
         self.ops = InvariantOps(ops_for(self.device)) if deterministic else ops_for(self.device)
-        moved: dict[int, torch.Tensor] = {}  # keeps tied tensors shared after the move
+        moved: dict[tuple, torch.Tensor] = {}  # keeps tied tensors shared after the move
+        # this rank's vocabulary rows of the lm_head, its logits gathered
+        self.gather_logits = tp is not None and vocab_parallel(config, tp.size)
 
         def take(name: str) -> torch.Tensor:
             """On the device in the compute dtype; FP8 weights and their float32
             scales (an FP8 checkpoint) keep their dtypes."""
             t = tensors[name]
-            if id(t) not in moved:
+            # a tied lm_head is split where the embedding is not
+            key = (id(t), self.gather_logits and name == "lm_head.weight")
+            if key not in moved:
                 part = t if tp is None else shard_weight(config, name, t, tp.rank, tp.size)
                 keep = t.dtype == FP8 or name.endswith(".weight_scale")
-                moved[id(t)] = part.to(device=self.device,
-                                       dtype=None if keep else self.dtype).contiguous()
-            return moved[id(t)]
+                moved[key] = part.to(device=self.device,
+                                     dtype=None if keep else self.dtype).contiguous()
+            return moved[key]
 
         self.embed = take("embed.weight")
         self.layers = [
@@ -113,7 +117,10 @@ class LlamaModel:
             self._project_into(residual, act, layer["down"])
         if logits_indices is None:
             logits_indices = (batch.cu_q_lens[1:] - 1).long()
-        return ops.linear(residual[logits_indices], self.lm_head, norm=(self.norm, eps)).float()
+        logits = ops.linear(residual[logits_indices], self.lm_head, norm=(self.norm, eps))
+        if self.gather_logits:
+            logits = self.tp.all_gather_columns(logits)
+        return logits.float()
 
     def _project_into(self, residual: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
         """residual += x @ w.T; under tensor parallelism each rank holds a

@@ -4,8 +4,10 @@ slice of the weights.
 Each rank holds a slice of every layer: its share of the attention heads (q,
 k, v rows; the matching o columns), and of the FFN (gate and up rows; the
 matching down columns). The o and down projections then yield partial sums,
-which one all-reduce per projection completes. Embedding, norms and lm_head
-are replicated. Every rank keeps the KV of its own KV heads in a pool of the
+which one all-reduce per projection completes. The lm_head is split by
+vocabulary rows where the ranks divide it (each rank's logits gathered:
+every rank then reads half the head's weights a step, 0.5 GB for a 128k
+vocabulary); the embedding and norms are replicated. Every rank keeps the KV of its own KV heads in a pool of the
 same number of blocks, so one block table serves all ranks.
 
 Starting the ranks and telling them each step's inputs is the engine's side
@@ -34,6 +36,9 @@ COLLECTIVE_TIMEOUT = timedelta(seconds=120)
 PEER_ALL_REDUCE_BYTES_DEFAULT = 1 << 20
 PEER_ALL_REDUCE_BYTES = int(os.environ.get("TURBOMQ_PEER_ALL_REDUCE_BYTES",
                                            str(PEER_ALL_REDUCE_BYTES_DEFAULT)))
+# Each rank pushes its partial sums into every peer's buffer (1, the
+# default) or reads the peers' from theirs (0): native/cuda/all_reduce.cu.
+PEER_ALL_REDUCE_PUSH = os.environ.get("TURBOMQ_PEER_ALL_REDUCE_PUSH", "1") != "0"
 
 
 @dataclass(frozen=True)
@@ -50,6 +55,11 @@ def check_divisible(config: ModelConfig, size: int) -> None:
             raise ValueError(f"tensor parallel size {size} does not divide {name} = {n}")
 
 
+def vocab_parallel(config: ModelConfig, size: int) -> bool:
+    """Whether the lm_head is split by vocabulary rows over `size` ranks."""
+    return size > 1 and config.vocab_size % size == 0
+
+
 def device_for(base: str, rank: int) -> torch.device:
     """Rank r's device: cuda:(N + r) from base cuda:N; cpu stays cpu."""
     dev = torch.device(base)
@@ -61,8 +71,12 @@ def device_for(base: str, rank: int) -> torch.device:
 def shard_weight(config: ModelConfig, name: str, w: torch.Tensor, rank: int,
                  size: int) -> torch.Tensor:
     """Rank `rank`'s slice (of `size`) of the internal tensor `name`; the
-    embedding, norms and lm_head are whole on every rank."""
+    embedding and norms are whole on every rank, the lm_head too where
+    `size` does not divide the vocabulary."""
     r, n = rank, size
+    if name == "lm_head.weight" and vocab_parallel(config, size):
+        v = config.vocab_size // n
+        return w[r * v:(r + 1) * v]
     kind = name.rsplit(".", 2)[-2] if name.startswith("layers.") else ""
     if name.endswith(".weight_scale") and kind in ("o", "down"):
         return w  # one scale per output row: the rows are whole on every rank
@@ -117,6 +131,15 @@ class TensorParallel:
         """Rank 0's t to every rank, on the device (NCCL on CUDA)."""
         dist.broadcast(t, 0)
 
+    def all_gather_columns(self, t: torch.Tensor) -> torch.Tensor:
+        """[rows, cols] on each rank -> [rows, ranks * cols], rank r's columns
+        at r * cols (the vocabulary-split lm_head's logits)."""
+        rows, cols = t.shape
+        parts = torch.empty((self.size * rows, cols), dtype=t.dtype, device=t.device)
+        if rows:  # every rank has the same rows (the step's inputs are rank 0's)
+            dist.all_gather_into_tensor(parts, t.contiguous())
+        return parts.view(self.size, rows, cols).transpose(0, 1).reshape(rows, self.size * cols)
+
     def all_reduce_into(self, residual: torch.Tensor, partial: torch.Tensor) -> None:
         """residual += partial summed over the ranks (the sum rounded first,
         as all_reduce then add_ round)."""
@@ -146,7 +169,9 @@ class PeerAllReduce:
               and hasattr(k, "all_reduce") and tp.size in (2, 4, 8)
               and all(torch.cuda.can_device_access_peer(device, torch.device("cuda", d))
                       for d in range(torch.cuda.device_count()) if d != device.index))
-        own = k.all_reduce_buffer_alloc(capacity) if ok else 0
+        if ok:
+            k.set_all_reduce_push(PEER_ALL_REDUCE_PUSH)
+        own = k.all_reduce_buffer_alloc(capacity, tp.size) if ok else 0
         handles: list = [None] * tp.size
         dist.all_gather_object(handles, k.ipc_handle(own) if ok else None, group=tp.host_group)
         if not all(handles):

@@ -1,10 +1,10 @@
-"""Prefill on one GPU, three attention paths side by side in one run, on a
+"""Prefill on one GPU, four attention paths side by side in one run, on a
 Llama-3-8B-shaped model with random bf16 weights (benchmarks/gpu_engine.py):
 
-- attention.cu (16-row tiles, split-K; the default),
-- prefill_attention.cu on mma.sync (TURBOMQ_PREFILL_ATTENTION=1),
-- prefill_attention.cu on wgmma (the default on Hopper),
-- the same with its K/V tiles loaded by TMA (TURBOMQ_PREFILL_TMA=1).
+- attention.cu (16-row tiles, split-K; TURBOMQ_PREFILL_ATTENTION=0),
+- prefill_attention.cu on mma.sync (TURBOMQ_PREFILL_WGMMA=0),
+- prefill_attention.cu on wgmma with cp.async loads (TURBOMQ_PREFILL_TMA=0),
+- the same with its K/V tiles loaded by TMA (the default on Hopper).
 
 Figures per path: time to first token of fresh prompts of 1k, 4k, 8k and 16k
 tokens (one prefill chunk each: max_num_batched_tokens 16384), and of a

@@ -5,9 +5,10 @@ loads its slice from it).
 Engines one after the other, in one run, all with CUDA graphs: one GPU (at
 --max-batch-size and twice that); two GPUs with every all-reduce through
 NCCL; two GPUs with decode's all-reduces through peer memory (the default);
-and that again with twice the batch. Each: decode at batch 1 (prompt 128, 256
-new tokens), an offline batch of ShareGPT-like requests, and its KV pool
-size.
+and that again with twice and four times the batch (the pool holds twice the
+tokens). Each: decode at batch 1 (prompt 128, 256 new tokens), an offline
+batch of ShareGPT-like requests, and its KV pool size. --profile adds a
+torch.profiler table of each engine's batch-1 decode on rank 0.
 
     BENCH=tensor_parallel bash benchmarks/run_gpu.sh   (on a machine with 2 GPUs)
 
@@ -23,6 +24,7 @@ import os
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -36,7 +38,8 @@ CASES = [("1 GPU", dict(tensor_parallel=1), True, 1),
          ("1 GPU, 2x batch", dict(tensor_parallel=1), True, 2),
          ("2 GPUs, NCCL all-reduce", dict(tensor_parallel=2), False, 1),
          ("2 GPUs, peer all-reduce", dict(tensor_parallel=2), True, 1),
-         ("2 GPUs, peer all-reduce, 2x batch", dict(tensor_parallel=2), True, 2)]
+         ("2 GPUs, peer all-reduce, 2x batch", dict(tensor_parallel=2), True, 2),
+         ("2 GPUs, peer all-reduce, 4x batch", dict(tensor_parallel=2), True, 4)]
 
 
 def peer_all_reduce(on: bool) -> None:
@@ -70,7 +73,22 @@ def decode_batch1(engine: Engine, new_tokens: int = 256) -> dict:
             "decode_tok_per_s": (len(stamps) - 1) / (stamps[-1] - stamps[0])}
 
 
-def measure(path: str, case: dict, work: list, max_batch_size: int) -> dict:
+def profile_decode(engine: Engine, dest: Path, new_tokens: int = 64) -> None:
+    """Rank 0's host and GPU time by op over a batch-1 decode (torch.profiler:
+    the graph's kernels, the broadcasts, the waits for tokens), to `dest`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        engine.generate(input_ids=[list(range(3000, 3128))],
+                        params=SamplingParams(max_tokens=new_tokens, **GREEDY))
+    dest.write_text(
+        f"batch-1 decode, 128-token prompt, {new_tokens} new tokens, rank 0\n\n"
+        + prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30) + "\n"
+        + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30) + "\n")
+
+
+def measure(path: str, case: dict, work: list, max_batch_size: int,
+            profile_to: Optional[Path] = None) -> dict:
     t0 = time.perf_counter()
     engine = Engine(EngineConfig(model=path, device="cuda", dtype="bf16",
                                  max_batch_size=max_batch_size, block_size=64,
@@ -83,6 +101,8 @@ def measure(path: str, case: dict, work: list, max_batch_size: int) -> dict:
                             params=SamplingParams(max_tokens=8, **GREEDY))
         out = {"load_s": load_s, "kv_tokens_capacity": engine.max_tokens_in_pool}
         out.update(decode_batch1(engine))
+        if profile_to is not None:
+            profile_decode(engine, profile_to)
         if work:
             out.update(run_offline(engine, work))
         return out
@@ -126,6 +146,8 @@ def main() -> None:
     ap.add_argument("--without-nccl", action="store_true",
                     help="leave out the two-GPU row with every all-reduce through NCCL")
     ap.add_argument("--only", help="run only the engine of this name")
+    ap.add_argument("--profile", action="store_true",
+                    help="also profile each engine's batch-1 decode (tp_profile_*.txt)")
     ap.add_argument("--checkpoint", type=Path,
                     help="keep the converted checkpoint here (reused where it exists)")
     args = ap.parse_args()
@@ -147,8 +169,10 @@ def main() -> None:
                 continue
             peer_all_reduce(peer)
             batch *= args.max_batch_size
+            slug = "".join(c if c.isalnum() else "_" for c in name.lower())
+            profile_to = args.out / f"tp_profile_{slug}.txt" if args.profile else None
             results["cases"][name] = {"max_batch_size": batch,
-                                      **measure(path, case, work, batch)}
+                                      **measure(path, case, work, batch, profile_to)}
             print(name, json.dumps(results["cases"][name]), flush=True)
             write_report(args.out, results)  # what is done so far, should a later case fail
     print((args.out / "tensor_parallel.md").read_text())

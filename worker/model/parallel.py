@@ -41,6 +41,10 @@ PEER_ALL_REDUCE_BYTES = int(os.environ.get("TURBOMQ_PEER_ALL_REDUCE_BYTES",
 PEER_ALL_REDUCE_PUSH = os.environ.get("TURBOMQ_PEER_ALL_REDUCE_PUSH", "1") != "0"
 
 
+# all_gather_into_tensor's newer name (torch >= 2.13 warns on the old one).
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     size: int  # ranks (devices)
@@ -137,7 +141,7 @@ class TensorParallel:
         rows, cols = t.shape
         parts = torch.empty((self.size * rows, cols), dtype=t.dtype, device=t.device)
         if rows:  # every rank has the same rows (the step's inputs are rank 0's)
-            dist.all_gather_into_tensor(parts, t.contiguous())
+            _all_gather_single(parts, t.contiguous())
         return parts.view(self.size, rows, cols).transpose(0, 1).reshape(rows, self.size * cols)
 
     def all_reduce_into(self, residual: torch.Tensor, partial: torch.Tensor) -> None:

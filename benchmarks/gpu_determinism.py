@@ -8,9 +8,10 @@ Figures, per mode:
   tokens the first difference;
 - batch-1 decode tok/s (128-token prompt, 256 generated);
 - offline ShareGPT-like throughput (N requests, all submitted at once).
-Deterministic mode runs twice: as by default on Hopper (its GEMM's tiled
-shape on wgmma, the split shape on mma.sync) and on mma.sync only
-(TURBOMQ_INVARIANT_WGMMA=0).
+Deterministic mode runs three times: as by default on Hopper (its GEMM's
+tiled shape on wgmma, the split shape on mma.sync), on mma.sync only
+(TURBOMQ_INVARIANT_WGMMA=0), and with the tiled shape's k tiles loaded by
+TMA (TURBOMQ_INVARIANT_TMA=1).
 
     python benchmarks/gpu_determinism.py --out DIR [--requests 1000]
 
@@ -34,11 +35,11 @@ from turbomq.worker import Engine, SamplingParams  # noqa: E402
 from turbomq.worker.model.llama import LlamaModel  # noqa: E402
 from turbomq.worker.model.ops import cuda as cuda_ops  # noqa: E402
 
-# (name, deterministic, the invariant GEMM's tiled shape on wgmma). The
-# split shape stays on mma.sync; deterministic mode's own default is the
-# tiled shape on wgmma on Hopper (cuda.INVARIANT_WGMMA).
-MODES = (("default", False, False), ("deterministic", True, True),
-         ("deterministic_mma_sync", True, False))
+# (name, deterministic, the invariant GEMM's tiled shape on wgmma, and with
+# TMA loads). The split shape stays on mma.sync; deterministic mode's own
+# default is the tiled shape on wgmma on Hopper (cuda.INVARIANT_WGMMA).
+MODES = (("default", False, False, False), ("deterministic", True, True, False),
+         ("deterministic_mma_sync", True, False, False), ("deterministic_tma", True, True, True))
 
 
 def invariance(engine: Engine, probes: list[list[int]], fillers: list[list[int]]) -> dict:
@@ -64,8 +65,9 @@ def main() -> None:
     work = sharegpt_like(args.requests)
     results = {"device": torch.cuda.get_device_name(), "requests": args.requests,
                "ceilings": ceilings(), "modes": {}}
-    for name, deterministic, wgmma in MODES:
+    for name, deterministic, wgmma, tma in MODES:
         cuda_ops.set_invariant_wgmma(wgmma)  # before the graphs are captured
+        cuda_ops._k.set_gemm_invariant_tma(tma)
         model = LlamaModel(cfg, tensors, "cuda", torch.bfloat16, deterministic=deterministic)
         engine = ab_engine(model, args.max_batch_size, deterministic=deterministic)
         r = {"invariance": invariance(engine, probes, fillers)}
@@ -74,6 +76,7 @@ def main() -> None:
         results["modes"][name] = r
         engine.close()
         cuda_ops.set_invariant_wgmma(cuda_ops.INVARIANT_WGMMA)
+        cuda_ops._k.set_gemm_invariant_tma(cuda_ops.INVARIANT_TMA)
         del engine, model
         gc.collect()
         torch.cuda.empty_cache()
@@ -107,6 +110,13 @@ def write_report(args, results: dict) -> None:
               "| --- | ---: | ---: | ---: |",
               f"{changed} {w['invariance']['differ']} | |"]
     lines += ab_speed_rows(d, w, args.requests)
+    t = results["modes"]["deterministic_tma"]
+    lines += ["", "Deterministic mode with its GEMM's tiled shape loading by TMA "
+              "(`TURBOMQ_INVARIANT_TMA=1`), same run:", "",
+              "| figure | default | deterministic (TMA) | deterministic (TMA) / default |",
+              "| --- | ---: | ---: | ---: |",
+              f"{changed} {t['invariance']['differ']} | |"]
+    lines += ab_speed_rows(d, t, args.requests)
     lines += ["", f"Default mode: the first difference came after {inv_d['first_difference_at']} "
               "tokens. Targets: deterministic offline >= 0.95x and batch-1 decode >= 0.97x of "
               "the default."]

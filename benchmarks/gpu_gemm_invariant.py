@@ -81,6 +81,11 @@ def bench_shape(name: str, n: int, k: int, rows_list: list[int]) -> list[dict]:
             if m <= SPLIT_MAX_ROWS:
                 r[prefix + "split_us"] = timed(
                     lambda a, b: cuda_ops.linear_invariant(a, b, path="split")) * 1e6
+        cuda_ops.set_invariant_wgmma(True, True)  # the tiled shape on wgmma with TMA loads
+        cuda_ops._k.set_gemm_invariant_tma(True)
+        r["wg_tma_tiled_us"] = timed(
+            lambda a, b: cuda_ops.linear_invariant(a, b, path="tiled")) * 1e6
+        cuda_ops._k.set_gemm_invariant_tma(cuda_ops.INVARIANT_TMA)
         cuda_ops.set_invariant_wgmma(cuda_ops.INVARIANT_WGMMA)
         # The default: the split shape on mma.sync, the tiled one on wgmma
         # where INVARIANT_WGMMA (Hopper).
@@ -101,7 +106,8 @@ def bench_shape(name: str, n: int, k: int, rows_list: list[int]) -> list[dict]:
         print(f"{name:8s} {n:5d}x{k:5d} M={m:5d}: {r['path']:5s} {r['us']:8.1f} us "
               f"{r['TFLOPs']:6.1f} TFLOP/s {r['GBps']:6.0f} GB/s | cuBLAS {r['cublas_us']:8.1f} us "
               f"(x{r['vs_cublas']:.2f}) | mma.sync tiled {r['tiled_us']:8.1f} split {split} | "
-              f"wgmma tiled {r['wg_tiled_us']:8.1f} split {wg_split}{extra}", flush=True)
+              f"wgmma tiled {r['wg_tiled_us']:8.1f} split {wg_split} "
+              f"tiled+TMA {r['wg_tma_tiled_us']:8.1f}{extra}", flush=True)
         del x
         torch.cuda.empty_cache()
     del ws
@@ -129,9 +135,9 @@ def markdown(info: dict, rows: list[dict]) -> str:
         lines += [f"## {name} ({sel[0]['n']} x {sel[0]['k']})", "",
                   "| M | path | time (us) | TFLOP/s | GB/s | cuBLAS (us) | vs cuBLAS "
                   "| mma.sync tiled (us) | mma.sync split (us) | wgmma tiled (us) "
-                  "| wgmma split (us) | GEMV (us) |",
+                  "| wgmma split (us) | wgmma tiled, TMA (us) | GEMV (us) |",
                   "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
-                  "| ---: | ---: |"]
+                  "| ---: | ---: | ---: |"]
         for r in sel:
             split = f"{r['split_us']:.1f}" if r["split_us"] else ""
             wg_split = f"{r['wg_split_us']:.1f}" if r["wg_split_us"] else ""
@@ -139,7 +145,7 @@ def markdown(info: dict, rows: list[dict]) -> str:
             lines.append(f"| {r['m']} | {r['path']} | {r['us']:.1f} | {r['TFLOPs']:.1f} | "
                          f"{r['GBps']:.0f} | {r['cublas_us']:.1f} | {r['vs_cublas']:.2f} | "
                          f"{r['tiled_us']:.1f} | {split} | {r['wg_tiled_us']:.1f} | "
-                         f"{wg_split} | {gemv} |")
+                         f"{wg_split} | {r['wg_tma_tiled_us']:.1f} | {gemv} |")
         lines.append("")
     return "\n".join(lines)
 

@@ -97,6 +97,8 @@ void bind_cuda(py::module_& parent) {
   m.def("set_gemm_invariant_wgmma", &cuda::set_gemm_invariant_wgmma, py::arg("tiled"),
         py::arg("split"));
   m.def("gemm_invariant_wgmma", &cuda::gemm_invariant_wgmma);
+  m.def("set_gemm_invariant_tma", &cuda::set_gemm_invariant_tma, py::arg("on"));
+  m.def("gemm_invariant_tma", &cuda::gemm_invariant_tma);
   m.def("gemm_invariant_workspace", &cuda::gemm_invariant_workspace, py::arg("rows"),
         py::arg("n_out"), py::arg("k_in"), py::arg("path") = cuda::GemmInvariantPath::kAuto);
   m.def("gemm_invariant_counters", &cuda::gemm_invariant_counters, py::arg("rows"),

@@ -58,6 +58,7 @@
 // chunks folded in order: only where a w row sits in the tile changes, and
 // an mma's output element does not depend on its position.
 #include "mma.cuh"
+#include "tma.cuh"
 #include "wgmma.cuh"
 
 namespace turbomq {
@@ -126,6 +127,15 @@ struct Params {
   int m_tiles, n_tiles, k_tiles, chunks;
 };
 
+// The tiled shape on wgmma with TMA loads: the kernel's parameters and the
+// tensor maps over x ([M, K], boxes of 64 x MT) and w ([N_w, K], boxes of
+// 64 x 128, or with silu 64 x 8: the interleaved gate / up row groups).
+struct TmaParams {
+  Params p;
+  CUtensorMap x, w;
+};
+constexpr int kTmaBarrierBytes = 64;  // a stage's mbarrier each, past the ring
+
 // One thread's share of loading a tile of kRowsTile rows of a [rows, K]
 // matrix into a stage: 16-byte chunk c = tid % 8 of tile rows tid / 8 + 32 i,
 // which are matrix rows `row` + i * row_step (row_step 32, or 16 for the silu
@@ -190,8 +200,13 @@ __device__ __forceinline__ RowLoader<kNT> weight_loader(const Params& p, int n0)
 // mma in increasing k (the last chunk may be shorter; loads past K are
 // zeros). Both launch shapes compute their chunk sums with exactly this,
 // which is what makes them identical.
-template <typename T, int MT, bool kWg>
+// kTma (wgmma only): thread 0 fills each stage by TMA instead, completing on
+// the stage's mbarrier, which every thread waits on; the boxes land in the
+// layout the cp.async chunks write (128-byte rows, 128-byte swizzle, rows
+// past M or N_w and columns past K zero), so the MMAs read the same bits.
+template <typename T, int MT, bool kWg, bool kTma = false>
 struct Mainloop {
+  static_assert(!kTma || kWg, "TMA loads feed wgmma");
   using S = Shape<MT, kWg>;
   using Acc = float[S::kMi][S::kNj][4];
   static constexpr int kTilesPerChunk = kChunk / kBK;
@@ -203,16 +218,27 @@ struct Mainloop {
   std::uint64_t a_desc, b_desc;  // wgmma: the warpgroup's operands in stage 0
   int key, a_half, b_half;
   int kt_begin, kt_end, k;
+  // kTma: the maps, this tile's first row and column, the up rows' offset
+  const CUtensorMap* x_map;
+  const CUtensorMap* w_map;
+  int m0, n0, inter;
 
   __device__ __forceinline__ Mainloop(const Params& p, std::uint32_t smem, int m0, int n0,
-                                      int s_begin, int s_end)
+                                      int s_begin, int s_end,
+                                      const CUtensorMap* x_map = nullptr,
+                                      const CUtensorMap* w_map = nullptr)
       : load_x(static_cast<const std::uint16_t*>(p.x), m0 + threadIdx.x / 8,
                p.m - m0 - static_cast<int>(threadIdx.x / 8), RowLoader<MT>::kRowStep, p.k),
         load_w(weight_loader(p, n0)),
         base(kWg ? (smem + 1023u) & ~1023u : smem),
         kt_begin(s_begin * kTilesPerChunk),
         kt_end(min(s_end * kTilesPerChunk, p.k_tiles)),
-        k(p.k) {
+        k(p.k),
+        x_map(x_map),
+        w_map(w_map),
+        m0(m0),
+        n0(n0),
+        inter(p.inter) {
     // Per-lane ldmatrix rows and chunk halves (the fragment layouts of
     // mma.m16n8k16): A: lanes 0-15 rows 0-15 at k 0-7, lanes 16-31 at k 8-15;
     // B: lanes 0-7 / 8-15 give n 0-7 at k 0-7 / 8-15, lanes 16-31 the same
@@ -230,26 +256,73 @@ struct Mainloop {
     const int wg_warp = warp & ~3;
     a_desc = wgmma_desc(base + S::warp_m(wg_warp) * S::kWarpM * kRowBytes);
     b_desc = wgmma_desc(base + (MT + S::warp_n(wg_warp) * S::kWarpN) * kRowBytes);
-    // The first kAhead k tiles in flight: one commit group each (empty past
-    // the end, so the wait counts stay uniform). Their weights first: they do
-    // not depend on the previous kernel, which may still be running (a
-    // programmatic launch); x only after it is done. The first group then
-    // holds every prologue weight tile and x's first: waiting for it waits
-    // for a little more than needed, never less.
+    if constexpr (kTma) {
+      // The first kAhead k tiles, weights first (they do not depend on the
+      // previous kernel), x once it is done; each stage's mbarrier counts
+      // both.
+      if (threadIdx.x == 0) {
+        for (int s = 0; s < S::kStages; ++s) mbarrier_init(bar(s));
+        fence_mbarrier_init();
+      }
+      __syncthreads();
+      if (threadIdx.x == 0) {
+        for (int i = 0; i < S::kAhead; ++i) {
+          if (kt_begin + i >= kt_end) break;
+          mbarrier_expect_bytes(bar(i), S::kStageBytes);
+          tma_w(kt_begin + i);
+        }
+      }
+      grid_dependency_wait();
+      if (threadIdx.x == 0) {
+        for (int i = 0; i < S::kAhead; ++i) {
+          if (kt_begin + i < kt_end) tma_x(kt_begin + i);
+        }
+      }
+    } else {
+      // The first kAhead k tiles in flight: one commit group each (empty
+      // past the end, so the wait counts stay uniform). Their weights first:
+      // they do not depend on the previous kernel, which may still be
+      // running (a programmatic launch); x only after it is done. The first
+      // group then holds every prologue weight tile and x's first: waiting
+      // for it waits for a little more than needed, never less.
 #pragma unroll
-    for (int i = 0; i < S::kAhead; ++i) {
-      if (kt_begin + i < kt_end) load_w.load(stage(kt_begin + i) + MT * kRowBytes, kt_begin + i, k);
-    }
-    grid_dependency_wait();
+      for (int i = 0; i < S::kAhead; ++i) {
+        if (kt_begin + i < kt_end) load_w.load(stage(kt_begin + i) + MT * kRowBytes, kt_begin + i, k);
+      }
+      grid_dependency_wait();
 #pragma unroll
-    for (int i = 0; i < S::kAhead; ++i) {
-      if (kt_begin + i < kt_end) load_x.load(stage(kt_begin + i), kt_begin + i, k);
-      cp_async_commit();
+      for (int i = 0; i < S::kAhead; ++i) {
+        if (kt_begin + i < kt_end) load_x.load(stage(kt_begin + i), kt_begin + i, k);
+        cp_async_commit();
+      }
     }
   }
 
   __device__ __forceinline__ std::uint32_t stage(int kt) const {
     return base + static_cast<unsigned>(kt - kt_begin) % S::kStages * S::kStageBytes;
+  }
+  // kTma: stage s's mbarrier, past the ring.
+  __device__ __forceinline__ std::uint32_t bar(int s) const {
+    return base + S::kStages * S::kStageBytes + 8 * s;
+  }
+  // kTma, thread 0: k tile kt's x rows m0.. (one box), and its weight rows:
+  // n0.. (one box), or with silu the 16 groups of 8 rows of the tile layout
+  // (group g: columns n0 + 8 (g / 2).., gate rows for even g, up rows for odd).
+  __device__ __forceinline__ void tma_x(int kt) const {
+    const int i = (kt - kt_begin) % S::kStages;
+    tma_load_2d(stage(kt), x_map, kt * kBK, m0, bar(i));
+  }
+  __device__ __forceinline__ void tma_w(int kt) const {
+    const int i = (kt - kt_begin) % S::kStages;
+    const std::uint32_t dst = stage(kt) + MT * kRowBytes;
+    if (inter == 0) {
+      tma_load_2d(dst, w_map, kt * kBK, n0, bar(i));
+      return;
+    }
+    for (int g = 0; g < kNT / 8; ++g) {
+      tma_load_2d(dst + g * 8 * kRowBytes, w_map, kt * kBK, n0 + 8 * (g / 2) + (g & 1) * inter,
+                  bar(i));
+    }
   }
   __device__ __forceinline__ void load(int kt) const {
     load_x.load(stage(kt), kt, k);
@@ -312,11 +385,23 @@ struct Mainloop {
   __device__ __forceinline__ void wgmma_chunk(int s, int end, Acc& acc) const {
     float* d = &acc[0][0][0];
     for (int kt = s * kTilesPerChunk; kt < end; ++kt) {
-      cp_async_wait<S::kAhead - 1>();
-      fence_proxy_async();  // the cp.async data, to the MMAs' (async) proxy
-      __syncthreads();
-      if (kt + S::kAhead < kt_end) load(kt + S::kAhead);
-      cp_async_commit();
+      if constexpr (kTma) {
+        const int fill = kt - kt_begin;
+        mbarrier_wait(bar(fill % S::kStages), (fill / S::kStages) & 1);
+        __syncthreads();  // and every warpgroup is done with the stage refilled next
+        if (threadIdx.x == 0 && kt + S::kAhead < kt_end) {
+          const int next = kt + S::kAhead;
+          mbarrier_expect_bytes(bar((next - kt_begin) % S::kStages), S::kStageBytes);
+          tma_w(next);
+          tma_x(next);
+        }
+      } else {
+        cp_async_wait<S::kAhead - 1>();
+        fence_proxy_async();  // the cp.async data, to the MMAs' (async) proxy
+        __syncthreads();
+        if (kt + S::kAhead < kt_end) load(kt + S::kAhead);
+        cp_async_commit();
+      }
       const std::uint64_t st = (stage(kt) - base) >> 4;  // in descriptor units
       wgmma_fence();
 #pragma unroll
@@ -329,8 +414,11 @@ struct Mainloop {
     wgmma_wait<0>();  // the chunk sum is in acc
   }
 
-  // Nothing left in flight when the block moves on or exits.
-  __device__ __forceinline__ void drain() const { cp_async_wait<0>(); }
+  // Nothing left in flight when the block moves on or exits (TMA: every
+  // stage filled has been waited for).
+  __device__ __forceinline__ void drain() const {
+    if constexpr (!kTma) cp_async_wait<0>();
+  }
 };
 
 __device__ __forceinline__ std::uint32_t dynamic_smem() {
@@ -395,9 +483,9 @@ __device__ __forceinline__ std::uint32_t out2(float lo, float hi, std::uint32_t 
 
 // Large M: one block per output tile, all chunks; grouped raster order so a
 // wave of blocks shares kGroupM row tiles of x and a band of w in L2.
-template <typename T, int MT, bool kWg>
-__global__ void __launch_bounds__(kThreads, MT == 128 ? 1 : 2)
-    gemm_tiled_kernel(const Params p) {
+template <typename T, int MT, bool kWg, bool kTma>
+__device__ __forceinline__ void gemm_tiled(const Params& p, const CUtensorMap* x_map,
+                                           const CUtensorMap* w_map) {
   using S = Shape<MT, kWg>;
   launch_dependents();  // a following programmatic launch may start fetching its weights
   const int per_group = kGroupM * p.n_tiles;
@@ -410,7 +498,7 @@ __global__ void __launch_bounds__(kThreads, MT == 128 ? 1 : 2)
 
   // total = c_0 (chunk 0 straight into it, from zero), then total += c_s:
   // the fold of fold_partials, in registers.
-  Mainloop<T, MT, kWg> loop(p, dynamic_smem(), m0, n0, 0, p.chunks);
+  Mainloop<T, MT, kWg, kTma> loop(p, dynamic_smem(), m0, n0, 0, p.chunks, x_map, w_map);
   float total[S::kMi][S::kNj][4], acc[S::kMi][S::kNj][4];
   loop.chunk(0, total);
   for (int s = 1; s < p.chunks; ++s) {
@@ -462,6 +550,18 @@ __global__ void __launch_bounds__(kThreads, MT == 128 ? 1 : 2)
                 : out2<T>(lo, hi, *reinterpret_cast<const std::uint32_t*>(res + off));
       }
     }
+}
+
+template <typename T, int MT, bool kWg>
+__global__ void __launch_bounds__(kThreads, MT == 128 ? 1 : 2)
+    gemm_tiled_kernel(const Params p) {
+  gemm_tiled<T, MT, kWg, false>(p, nullptr, nullptr);
+}
+
+template <typename T, int MT>
+__global__ void __launch_bounds__(kThreads, MT == 128 ? 1 : 2)
+    gemm_tiled_tma_kernel(const __grid_constant__ TmaParams tp) {
+  gemm_tiled<T, MT, true, true>(tp.p, &tp.x, &tp.w);
 }
 
 // The fold of one output tile from the partials, in chunk order: total = p_0,
@@ -574,10 +674,31 @@ __global__ void __launch_bounds__(kThreads) gemm_fold_kernel(const Params p) {
   fold_partials<T, MT>(p, blockIdx.y, blockIdx.x);
 }
 
+bool g_tma_tiled = false;  // set_gemm_invariant_tma
+
 template <typename T, int MT, bool kWg>
 void launch(Params p, bool split, cudaStream_t stream) {
   using S = Shape<MT, kWg>;
   p.m_tiles = ceil_div(p.m, MT);
+  if constexpr (kWg) {
+    if (!split && g_tma_tiled) {
+      const DType dtype = std::is_same_v<T, __half> ? DType::kF16 : DType::kBF16;
+      TmaParams tp{};
+      tp.p = p;
+      // x moves from call to call: encoded each launch; the weights' maps cached.
+      tp.x = encode_tensor_map_2d(reinterpret_cast<std::uintptr_t>(p.x), p.m, p.k, dtype, MT);
+      tp.w = tensor_map_2d(reinterpret_cast<std::uintptr_t>(p.w), p.n_w, p.k, dtype,
+                           p.inter ? 8 : kNT);
+      auto kernel = gemm_tiled_tma_kernel<T, MT>;
+      static bool opted_in = false;
+      opt_in_smem(kernel, S::kSmemBytes + kTmaBarrierBytes, opted_in,
+                  "gemm_invariant: shared memory opt-in");
+      const std::int64_t blocks = static_cast<std::int64_t>(p.m_tiles) * p.n_tiles;
+      launch_programmatic(kernel, tp, dim3(static_cast<unsigned>(blocks)), kThreads,
+                          S::kSmemBytes + kTmaBarrierBytes, stream, "gemm_tiled_tma_kernel");
+      return;
+    }
+  }
   if (!split) {
     auto kernel = gemm_tiled_kernel<T, MT, kWg>;
     static bool opted_in = false;  // per instantiation, as gemv
@@ -638,6 +759,8 @@ void set_gemm_invariant_wgmma(bool tiled, bool split) {
   g_wgmma_split = split;
 }
 std::pair<bool, bool> gemm_invariant_wgmma() { return {g_wgmma_tiled, g_wgmma_split}; }
+void set_gemm_invariant_tma(bool on) { g_tma_tiled = on; }
+bool gemm_invariant_tma() { return g_tma_tiled; }
 
 std::int64_t gemm_invariant_workspace(std::int64_t rows, std::int64_t n_out, std::int64_t k_in,
                                       GemmInvariantPath path) {

@@ -151,6 +151,10 @@ std::int64_t gemm_invariant_counters(std::int64_t rows, std::int64_t n_out,
                                      GemmInvariantPath path = GemmInvariantPath::kAuto);
 void set_gemm_invariant_wgmma(bool tiled, bool split);
 std::pair<bool, bool> gemm_invariant_wgmma();  // (tiled, split)
+// The tiled shape on wgmma with its k tiles loaded by TMA instead of cp.async
+// (the same shared-memory layout, so the same bits); off by default.
+void set_gemm_invariant_tma(bool on);
+bool gemm_invariant_tma();
 void gemm_invariant(std::uintptr_t y, std::uintptr_t x, std::uintptr_t w, std::int64_t rows,
                     std::int64_t n_out, std::int64_t k_in, DType dtype, std::uintptr_t workspace,
                     std::int64_t workspace_bytes, std::uintptr_t stream,

@@ -57,14 +57,10 @@ __device__ __forceinline__ void tma_load_2d(std::uint32_t dst, const CUtensorMap
 }
 
 // A 2D tensor map over `rows` rows of `cols` 16-bit elements (rows 2 cols
-// bytes apart) at `base`, boxes of 64 x 64 elements (128-byte rows, the
-// 128-byte swizzle); encoded once per (base, rows, cols, dtype) and cached.
-inline const CUtensorMap& tensor_map_2d(std::uintptr_t base, std::uint64_t rows, int cols,
-                                        DType dtype) {
-  static std::map<std::tuple<std::uintptr_t, std::uint64_t, int, int>, CUtensorMap> cache;
-  const auto key = std::make_tuple(base, rows, cols, static_cast<int>(dtype));
-  const auto found = cache.find(key);
-  if (found != cache.end()) return found->second;
+// bytes apart) at `base`, boxes of 64 x `box_rows` elements (128-byte rows,
+// the 128-byte swizzle); elements past the tensor read as zeros.
+inline CUtensorMap encode_tensor_map_2d(std::uintptr_t base, std::uint64_t rows, int cols,
+                                        DType dtype, int box_rows) {
   static PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
   if (encode == nullptr) {
     cudaDriverEntryPointQueryResult status;
@@ -79,7 +75,7 @@ inline const CUtensorMap& tensor_map_2d(std::uintptr_t base, std::uint64_t rows,
   CUtensorMap map{};
   const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), rows};
   const cuuint64_t strides[1] = {static_cast<cuuint64_t>(cols) * 2};
-  const cuuint32_t box[2] = {64, 64};
+  const cuuint32_t box[2] = {64, static_cast<cuuint32_t>(box_rows)};
   const cuuint32_t element_strides[2] = {1, 1};
   const CUresult r = encode(
       &map, dtype == DType::kF16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
@@ -87,7 +83,18 @@ inline const CUtensorMap& tensor_map_2d(std::uintptr_t base, std::uint64_t rows,
       CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
       CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   require(r == CUDA_SUCCESS, "tensor map: cuTensorMapEncodeTiled failed");
-  return cache.emplace(key, map).first->second;
+  return map;
+}
+
+// The same, encoded once per (base, rows, cols, dtype, box rows) and cached:
+// for tensors that stay where they are (the KV pool, weights).
+inline const CUtensorMap& tensor_map_2d(std::uintptr_t base, std::uint64_t rows, int cols,
+                                        DType dtype, int box_rows = 64) {
+  static std::map<std::tuple<std::uintptr_t, std::uint64_t, int, int, int>, CUtensorMap> cache;
+  const auto key = std::make_tuple(base, rows, cols, static_cast<int>(dtype), box_rows);
+  const auto found = cache.find(key);
+  if (found != cache.end()) return found->second;
+  return cache.emplace(key, encode_tensor_map_2d(base, rows, cols, dtype, box_rows)).first->second;
 }
 
 }  // namespace cuda

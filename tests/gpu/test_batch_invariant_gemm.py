@@ -153,6 +153,36 @@ def test_mma_kinds_give_the_same_bits(dtype, rows, n, k, gen, mma_kind):
         assert_rows_equal(y, want, f"{mma_kind}, {path} vs mma.sync tiled")
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,n,k,mode", [(200, 1536, 4096, "store"), (1024, 4096, 4096, "add"),
+                                           (300, 2 * 1536, 1032, "silu"), (77, 520, 4104, "store"),
+                                           (4096, 2 * 4096, 4096, "silu"),
+                                           (2048, 4096, 14336, "add")])
+def test_tma_loads_give_the_same_bits(dtype, rows, n, k, mode, gen):
+    """The tiled shape on wgmma with its k tiles loaded by TMA gives the bits
+    of its cp.async loads: partial row and column tiles, K past the last
+    whole k tile, the residual add and the silu layout (8-row boxes)."""
+    x = randn((rows, k), dtype, gen)
+    w = randn((n, k), dtype, gen, 0.02)
+    res = randn((rows, n), dtype, gen)
+
+    def run() -> torch.Tensor:
+        if mode == "add":
+            return cuda_ops.linear_invariant(x, w, path="tiled", residual=res.clone())
+        return cuda_ops.linear_invariant(x, w, path="tiled", silu=mode == "silu")
+
+    cuda_ops.set_invariant_wgmma(True, cuda_ops._k.gemm_invariant_wgmma()[1])
+    try:
+        cuda_ops._k.set_gemm_invariant_tma(False)
+        want = run()
+        cuda_ops._k.set_gemm_invariant_tma(True)
+        got = run()
+        assert cuda_ops._k.gemm_invariant_tma()
+    finally:
+        cuda_ops._k.set_gemm_invariant_tma(cuda_ops.INVARIANT_TMA)
+    assert torch.equal(got, want)
+
+
 def test_rows_as_leading_dims_and_views(gen):
     dtype, n, k = torch.bfloat16, 1024, 2048
     w = randn((n, k), dtype, gen, 0.02)

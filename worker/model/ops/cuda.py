@@ -117,6 +117,9 @@ PREFILL_TMA = _on_hopper("TURBOMQ_PREFILL_TMA")
 # on the H100 (tests/gpu/test_batch_invariant_gemm.py holds the GPU to it),
 # so the mix stays batch-invariant. TURBOMQ_INVARIANT_WGMMA=0: mma.sync only.
 INVARIANT_WGMMA = _on_hopper("TURBOMQ_INVARIANT_WGMMA")
+# The tiled shape on wgmma with its k tiles loaded by TMA (the same bits as
+# cp.async); TURBOMQ_INVARIANT_TMA=1 turns it on. Off until measured on a GPU.
+INVARIANT_TMA = os.environ.get("TURBOMQ_INVARIANT_TMA", "0") == "1"
 
 
 def set_invariant_wgmma(tiled: bool, split: bool = False) -> None:
@@ -148,6 +151,7 @@ if _k is not None:
     _k.set_fp8_gemv_max_tiles(FP8_GEMV_MAX_TILES)
     _k.set_gemv_prefetch_bytes(GEMV_PREFETCH_BYTES)
     set_invariant_wgmma(INVARIANT_WGMMA)
+    _k.set_gemm_invariant_tma(INVARIANT_TMA)
     _k.set_prefill_attention_wgmma(PREFILL_WGMMA)
     _k.set_prefill_attention_tma(PREFILL_TMA)
     _DTYPES = {torch.float16: _k.DType.F16, torch.bfloat16: _k.DType.BF16,

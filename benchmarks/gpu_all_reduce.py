@@ -64,7 +64,8 @@ def _rank(rank: int, port: int, results) -> None:
                     graph.replay()
                 dist.barrier(group=tp.host_group)
                 torch.cuda.synchronize()
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
                 start.record()
                 for _ in range(REPLAYS):
                     graph.replay()

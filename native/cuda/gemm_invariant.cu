@@ -287,7 +287,9 @@ struct Mainloop {
       // for it waits for a little more than needed, never less.
 #pragma unroll
       for (int i = 0; i < S::kAhead; ++i) {
-        if (kt_begin + i < kt_end) load_w.load(stage(kt_begin + i) + MT * kRowBytes, kt_begin + i, k);
+        if (kt_begin + i < kt_end) {
+          load_w.load(stage(kt_begin + i) + MT * kRowBytes, kt_begin + i, k);
+        }
       }
       grid_dependency_wait();
 #pragma unroll

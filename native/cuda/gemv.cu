@@ -267,7 +267,9 @@ __global__ void __launch_bounds__(W * 32) gemv_kernel(const GemvArgs<T, T> a) {
     const int bytes = min(kv * 16 - kRequested, a.prefetch);
 #pragma unroll
     for (int r = 0; r < R; ++r)
-      if (r == lane && bytes > 0) prefetch_l2(reinterpret_cast<const char*>(wr[r]) + kRequested, bytes);
+      if (r == lane && bytes > 0) {
+        prefetch_l2(reinterpret_cast<const char*>(wr[r]) + kRequested, bytes);
+      }
   }
 
   grid_dependency_wait();

@@ -7,8 +7,9 @@ matching down columns). The o and down projections then yield partial sums,
 which one all-reduce per projection completes. The lm_head is split by
 vocabulary rows where the ranks divide it (each rank's logits gathered:
 every rank then reads half the head's weights a step, 0.5 GB for a 128k
-vocabulary); the embedding and norms are replicated. Every rank keeps the KV of its own KV heads in a pool of the
-same number of blocks, so one block table serves all ranks.
+vocabulary); the embedding and norms are replicated. Every rank keeps the
+KV of its own KV heads in a pool of the same number of blocks, so one block
+table serves all ranks.
 
 Starting the ranks and telling them each step's inputs is the engine's side
 (engine/ranks.py). docs/engine.md, Tensor parallel.

@@ -107,7 +107,7 @@ def _on_hopper(variable: str) -> bool:
 # (TURBOMQ_PREFILL_WGMMA=0 keeps mma.sync).
 PREFILL_WGMMA = _on_hopper("TURBOMQ_PREFILL_WGMMA")
 # On wgmma, 16-bit K/V tiles loaded by TMA where the pool's blocks hold
-# 64-key tiles (block size >= 64, the default): 442 against 277 TFLOP/s on
+# 64-key tiles (block size >= 64, the default): 469 against 282 TFLOP/s on
 # 8k causal (docs/benchmarks/kernels_prefill.md). TURBOMQ_PREFILL_TMA=0
 # keeps cp.async.
 PREFILL_TMA = _on_hopper("TURBOMQ_PREFILL_TMA")
@@ -553,7 +553,7 @@ def all_reduce_peer(x: torch.Tensor, buffers: list[int], rank: int, capacity: in
 # 16-bit or INT8 KV. Faster at every prompt length measured
 # (docs/benchmarks/prefill.md); TURBOMQ_PREFILL_ATTENTION=0 keeps attention.cu.
 PREFILL_ATTENTION = os.environ.get("TURBOMQ_PREFILL_ATTENTION", "1") == "1"
-# TURBOMQ_PREFILL_WGMMA=1 runs that kernel on Hopper's wgmma (PREFILL_WGMMA).
+# On Hopper it runs on wgmma (PREFILL_WGMMA) with TMA loads (PREFILL_TMA).
 PREFILL_MIN_Q_LEN = 64
 PREFILL_MIN_PARTITION = 512  # keys per split-K partition of the prefill kernel, at least
 

@@ -7,8 +7,8 @@ Engines one after the other, in one run, all with CUDA graphs: one GPU (at
 NCCL; two GPUs with decode's all-reduces through peer memory (the default);
 and that again with twice and four times the batch (the pool holds twice the
 tokens). Each: decode at batch 1 (prompt 128, 256 new tokens), an offline
-batch of ShareGPT-like requests, and its KV pool size. --profile adds a
-torch.profiler table of each engine's batch-1 decode on rank 0.
+batch of ShareGPT-like requests, and its KV pool size. --profile adds
+torch.profiler tables of each engine's prefill and batch-1 decode on rank 0.
 
     BENCH=tensor_parallel bash benchmarks/run_gpu.sh   (on a machine with 2 GPUs)
 
@@ -74,17 +74,23 @@ def decode_batch1(engine: Engine, new_tokens: int = 256) -> dict:
 
 
 def profile_decode(engine: Engine, dest: Path, new_tokens: int = 64) -> None:
-    """Rank 0's host and GPU time by op over a batch-1 decode (torch.profiler:
-    the graph's kernels, the broadcasts, the waits for tokens), to `dest`."""
+    """Rank 0's host and GPU time by op over a lone 128-token prefill (the
+    time to first token) and over a batch-1 decode (the graph's kernels, the
+    broadcasts, the waits for tokens), to `dest`."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        engine.generate(input_ids=[list(range(3000, 3128))],
-                        params=SamplingParams(max_tokens=new_tokens, **GREEDY))
-    dest.write_text(
-        f"batch-1 decode, 128-token prompt, {new_tokens} new tokens, rank 0\n\n"
-        + prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30) + "\n"
-        + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30) + "\n")
+    sections = []
+    for label, tokens in (("time to first token: a 128-token prompt, 1 new token", 1),
+                          (f"batch-1 decode: a 128-token prompt, {new_tokens} new tokens", new_tokens)):
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            t0 = sync_time()
+            engine.generate(input_ids=[list(range(3000 + tokens, 3128 + tokens))],
+                            params=SamplingParams(max_tokens=tokens, **GREEDY))
+            wall = (sync_time() - t0) * 1e3
+        sections.append(f"{label}, rank 0, {wall:.1f} ms wall (profiled)\n\n"
+                        + prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25)
+                        + "\n" + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+    dest.write_text("\n\n".join(sections) + "\n")
 
 
 def measure(path: str, case: dict, work: list, max_batch_size: int,
@@ -147,7 +153,7 @@ def main() -> None:
                     help="leave out the two-GPU row with every all-reduce through NCCL")
     ap.add_argument("--only", help="run only the engine of this name")
     ap.add_argument("--profile", action="store_true",
-                    help="also profile each engine's batch-1 decode (tp_profile_*.txt)")
+                    help="also profile each engine's prefill and batch-1 decode (tp_profile_*.txt)")
     ap.add_argument("--checkpoint", type=Path,
                     help="keep the converted checkpoint here (reused where it exists)")
     args = ap.parse_args()

@@ -40,7 +40,6 @@ _spec = importlib.util.spec_from_file_location("gpu_engine", Path(__file__).with
 gpu_engine = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(gpu_engine)
 CFG = gpu_engine.LLAMA3_8B
-PREFETCHES = (4096, 1 << 20)  # GEMV L2 prefetch bytes a row timed beside none
 
 
 def graph_ms(fn, reps: int = 30) -> float:
@@ -74,29 +73,19 @@ def bench_linear() -> list[dict]:
             for impl, fn in (("gemv", gemv), ("cublas", F.linear)):
                 ms = graph_ms(lambda: [fn(x, w) for w in ws]) / copies
                 res[impl] = ms * 1e3
-            for prefetch in PREFETCHES:  # the GEMV with its weight rows' L2 prefetch
-                cuda_ops._k.set_gemv_prefetch_bytes(prefetch)
-                res[f"gemv_pf{prefetch}"] = graph_ms(lambda: [gemv(x, w) for w in ws]) / copies * 1e3
-            cuda_ops._k.set_gemv_prefetch_bytes(cuda_ops.GEMV_PREFETCH_BYTES)
             row = {"name": name, "n": n, "k": k, "m": m, "gemv_us": res["gemv"],
                    "cublas_us": res["cublas"], "gemv_GBps": nbytes / res["gemv"] / 1e3,
-                   "cublas_GBps": nbytes / res["cublas"] / 1e3,
-                   **{f"gemv_pf{p}_us": res[f"gemv_pf{p}"] for p in PREFETCHES}}
+                   "cublas_GBps": nbytes / res["cublas"] / 1e3}
             line = (f"{name:8s} {n:6d}x{k:5d} m={m}: gemv {res['gemv']:7.1f} us "
                     f"({row['gemv_GBps']:5.0f} GB/s)  cublas {res['cublas']:7.1f} us "
-                    f"({row['cublas_GBps']:5.0f} GB/s)"
-                    + "".join(f"  gemv pf{p} {res[f'gemv_pf{p}']:7.1f} us" for p in PREFETCHES))
-            for tiles, prefetch in ((1, 0), (4, 0), (1, 1 << 20), (4, 1 << 20)) if wq else ():
-                # 16-row tiles per FP8 GEMV block (at most), and the L2 prefetch
+                    f"({row['cublas_GBps']:5.0f} GB/s)")
+            for tiles in (1, 4) if wq else ():  # 16-row tiles per FP8 GEMV block, at most
                 cuda_ops._k.set_fp8_gemv_max_tiles(tiles)
-                cuda_ops._k.set_gemv_prefetch_bytes(prefetch)
                 us = graph_ms(lambda: [cuda_ops.linear(x, w) for w in wq]) / copies * 1e3
-                tag = f"t{tiles}" + ("_pf" if prefetch else "")
-                row[f"fp8_gemv_{tag}_us"] = us
-                row[f"fp8_gemv_{tag}_GBps"] = fp8_bytes / us / 1e3
-                line += f"  fp8 gemv {tag} {us:7.1f} us ({fp8_bytes / us / 1e3:5.0f} GB/s)"
+                row[f"fp8_gemv_t{tiles}_us"] = us
+                row[f"fp8_gemv_t{tiles}_GBps"] = fp8_bytes / us / 1e3
+                line += f"  fp8 gemv x{tiles} {us:7.1f} us ({fp8_bytes / us / 1e3:5.0f} GB/s)"
             cuda_ops._k.set_fp8_gemv_max_tiles(cuda_ops.FP8_GEMV_MAX_TILES)
-            cuda_ops._k.set_gemv_prefetch_bytes(cuda_ops.GEMV_PREFETCH_BYTES)
             rows.append(row)
             print(line, flush=True)
         del ws, wq
@@ -135,8 +124,6 @@ def bench_attention() -> list[dict]:
 
 CONFIGS = [
     ("default", {}),
-    ("GEMV L2 prefetch 8 KiB a row", {"PREFETCH": 8192}),
-    ("GEMV L2 prefetch whole rows", {"PREFETCH": 1 << 20}),
     ("GEMV not programmatic", {"PDL": False}),
     ("norm, silu, add, rotary apart", {"FUSED_GEMV": False}),
     ("GEMV for every projection", {"GEMV_MAX_ROWS": 8, "GEMV_MAX_K": 1 << 30}),
@@ -152,8 +139,6 @@ def apply(cfg: dict, saved: dict) -> None:
     for k, v in saved.items():
         if k == "PDL":
             cuda_ops._k.set_programmatic_launch(cfg.get(k, v))
-        elif k == "PREFETCH":
-            cuda_ops._k.set_gemv_prefetch_bytes(cfg.get(k, v))
         else:
             setattr(cuda_ops, k, cfg.get(k, v))
 
@@ -162,8 +147,7 @@ def bench_decode(out: Path) -> list[dict]:
     model = LlamaModel(CFG, gpu_engine.random_tensors(CFG), "cuda", torch.bfloat16)
     bs, ctx = 64, 256
     kv = PagedKVCache(CFG.num_layers, 64, bs, CFG.num_kv_heads, CFG.head_dim, torch.bfloat16, "cuda")
-    current = {"PDL": cuda_ops._k.programmatic_launch, "PREFETCH": cuda_ops._k.gemv_prefetch_bytes}
-    saved = {k: current[k]() if k in current else getattr(cuda_ops, k)
+    saved = {k: (cuda_ops._k.programmatic_launch() if k == "PDL" else getattr(cuda_ops, k))
              for _, cfg in CONFIGS for k in cfg}
     rows, logits = [], {}
     for batch in (1, 4):

@@ -138,12 +138,6 @@ __device__ __forceinline__ void grid_dependency_wait() {
   asm volatile("griddepcontrol.wait;" ::: "memory");
 }
 
-// Asks for `bytes` (a multiple of 16, from a 16-byte aligned address) to be
-// brought into L2 (sm_90 bulk prefetch); a hint: nothing waits on it.
-__device__ __forceinline__ void prefetch_l2(const void* p, std::uint32_t bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
-}
-
 __device__ __forceinline__ float warp_sum(float x) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);

@@ -66,8 +66,6 @@ void bind_cuda(py::module_& parent) {
         py::arg("capacity"), py::arg("stream"));
   m.def("set_programmatic_launch", &cuda::set_programmatic_launch, py::arg("on"));
   m.def("programmatic_launch", &cuda::programmatic_launch);
-  m.def("set_gemv_prefetch_bytes", &cuda::set_gemv_prefetch_bytes, py::arg("bytes"));
-  m.def("gemv_prefetch_bytes", &cuda::gemv_prefetch_bytes);
   m.def("set_fp8_gemv_max_tiles", &cuda::set_fp8_gemv_max_tiles, py::arg("tiles"));
   py::enum_<cuda::GemvEpilogue>(m, "GemvEpilogue")
       .value("STORE", cuda::GemvEpilogue::kStore)

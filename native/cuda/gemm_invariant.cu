@@ -687,8 +687,8 @@ void launch(Params p, bool split, cudaStream_t stream) {
       const DType dtype = std::is_same_v<T, __half> ? DType::kF16 : DType::kBF16;
       TmaParams tp{};
       tp.p = p;
-      // x moves from call to call: encoded each launch; the weights' maps cached.
-      tp.x = encode_tensor_map_2d(reinterpret_cast<std::uintptr_t>(p.x), p.m, p.k, dtype, MT);
+      // x's maps from a bounded cache (activations move), the weights' kept.
+      tp.x = transient_tensor_map_2d(reinterpret_cast<std::uintptr_t>(p.x), p.m, p.k, dtype, MT);
       tp.w = tensor_map_2d(reinterpret_cast<std::uintptr_t>(p.w), p.n_w, p.k, dtype,
                            p.inter ? 8 : kNT);
       auto kernel = gemm_tiled_tma_kernel<T, MT>;

@@ -109,7 +109,6 @@ struct GemvArgs {
   float eps;
   RopeKV rope;  // kRopeKV; y is q [rows, num_heads, d]
   int tiles_per_block = 1;  // FP8: 16-row tiles per block (set by the launcher)
-  int prefetch = 0;  // bytes of each weight row to prefetch into L2 (set by the launcher)
 };
 
 // Rows j and j + d/2 of one head: the rotation pair p.
@@ -259,18 +258,6 @@ __global__ void __launch_bounds__(W * 32) gemv_kernel(const GemvArgs<T, T> a) {
   uint4 wv[kU][R];
   int base = lane;
   load_weights<kU, R>(wv, wr, base, kv);  // independent of the previous kernel
-  if (a.prefetch > 0 && lane < R) {
-    // Lane r: row r's bytes past the chunks now in flight, into L2, so that
-    // the row streams while the previous kernel finishes (and while this
-    // block stages x) instead of 16 chunks a lane at a time after it.
-    constexpr int kRequested = 32 * kU * 16;
-    const int bytes = min(kv * 16 - kRequested, a.prefetch);
-#pragma unroll
-    for (int r = 0; r < R; ++r)
-      if (r == lane && bytes > 0) {
-        prefetch_l2(reinterpret_cast<const char*>(wr[r]) + kRequested, bytes);
-      }
-  }
 
   grid_dependency_wait();
   const uint4* xv = reinterpret_cast<const uint4*>(a.x);
@@ -435,17 +422,6 @@ __global__ void __launch_bounds__(W * 32) gemv_fp8_kernel(const GemvArgs<T, Fp8>
   };
   int first = 0;
   load(first);  // independent of the previous kernel
-  if (a.prefetch > 0 && warp == 0 && t == 0) {
-    // The first tile's rows into L2 (lane (g, 0): rows g and g + 8), so that
-    // they stream during the x prologue (norm, amax, quantize) instead of
-    // after it.
-    int ra, rb;
-    rows_of(0, ra, rb);
-    const int bytes = min(a.k_in, a.prefetch);
-    const char* wb = reinterpret_cast<const char*>(a.w);
-    prefetch_l2(wb + static_cast<std::int64_t>(ra) * a.k_in, bytes);
-    prefetch_l2(wb + static_cast<std::int64_t>(rb) * a.k_in, bytes);
-  }
 
   grid_dependency_wait();
   stage_x<T, Fp8, M, W, P>(a, xs, partial);
@@ -516,7 +492,6 @@ __global__ void __launch_bounds__(W * 32) gemv_fp8_kernel(const GemvArgs<T, Fp8>
 }
 
 bool g_programmatic_launch = true;
-int g_prefetch_bytes = 0;  // set_gemv_prefetch_bytes
 
 // Launches `kernel` as a programmatic dependent (where on) with `smem` bytes
 // of dynamic shared memory; the first launch opts the kernel in to
@@ -536,9 +511,7 @@ void launch_gemv_x(const GemvArgs<T, T>& a, cudaStream_t s) {
   static bool opted_in = false;  // one instantiation, one attribute call
   const std::size_t smem = kSmemX ? static_cast<std::size_t>(M) * a.k_in * sizeof(T) : 0;
   const int warps = (a.n_out + kColsPerWarp - 1) / kColsPerWarp;
-  GemvArgs<T, T> args = a;
-  args.prefetch = g_prefetch_bytes;
-  launch(gemv_kernel<T, M, R, W, kSmemX, P, E>, args, (warps + W - 1) / W, W * 32, smem,
+  launch(gemv_kernel<T, M, R, W, kSmemX, P, E>, a, (warps + W - 1) / W, W * 32, smem,
          kGemvSmemBytes, opted_in, s, "gemv_kernel");
 }
 
@@ -567,7 +540,6 @@ void launch_gemv_fp8_w(GemvArgs<T, Fp8> a, cudaStream_t s) {
   opt_in_smem(kernel, kGemvFp8SmemBytes, opted_in,
               "gemv: shared memory opt-in");  // before the occupancy query
   a.tiles_per_block = fp8_tiles_per_block(kernel, tiles, W * 32, smem);
-  a.prefetch = g_prefetch_bytes;
   launch(kernel, a, (tiles + a.tiles_per_block - 1) / a.tiles_per_block, W * 32, smem,
          kGemvFp8SmemBytes, opted_in, s, "gemv_fp8_kernel");
 }
@@ -640,11 +612,6 @@ void dispatch_gemv(const GemvArgs<T, TW>& a, int m, bool norm, GemvEpilogue epil
 }  // namespace
 
 void set_programmatic_launch(bool on) { g_programmatic_launch = on; }
-void set_gemv_prefetch_bytes(int bytes) {
-  require(bytes >= 0 && bytes % 16 == 0, "gemv: prefetch bytes must be a multiple of 16");
-  g_prefetch_bytes = bytes;
-}
-int gemv_prefetch_bytes() { return g_prefetch_bytes; }
 void set_fp8_gemv_max_tiles(int tiles) {
   require(tiles >= 1 && tiles <= kGemvFp8MaxTiles, "gemv: FP8 tiles per block must be 1..4");
   g_fp8_gemv_max_tiles = tiles;

@@ -88,11 +88,6 @@ void set_fp8_gemv_max_tiles(int tiles);
 enum class GemvEpilogue : int { kStore = 0, kAddInto = 1, kSiluMul = 2 };
 void set_programmatic_launch(bool on);
 bool programmatic_launch();
-// Bytes of each weight row (16-bit GEMV: past its first loads; FP8: of the
-// block's first tile) that a GEMV block asks L2 to prefetch before it waits
-// for the previous kernel; 0 (the default): none. A multiple of 16.
-void set_gemv_prefetch_bytes(int bytes);
-int gemv_prefetch_bytes();
 void gemv(std::uintptr_t y, std::uintptr_t x, std::uintptr_t w, std::int64_t rows,
           std::int64_t n_out, std::int64_t k_in, DType dtype, std::uintptr_t stream,
           std::uintptr_t norm_weight = 0, float eps = 0.0f,

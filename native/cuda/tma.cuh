@@ -97,5 +97,21 @@ inline const CUtensorMap& tensor_map_2d(std::uintptr_t base, std::uint64_t rows,
   return cache.emplace(key, encode_tensor_map_2d(base, rows, cols, dtype, box_rows)).first->second;
 }
 
+// The same for activations, returned by value: their buffers come and go
+// (the allocator reuses a few addresses, the row count changes with every
+// batch), so the cache is emptied when it grows past kTransientMaps. An
+// eager prefill launches hundreds of GEMMs, and encoding each one's map
+// (a driver call) would add its cost to every launch.
+inline CUtensorMap transient_tensor_map_2d(std::uintptr_t base, std::uint64_t rows, int cols,
+                                           DType dtype, int box_rows) {
+  constexpr std::size_t kTransientMaps = 4096;
+  static std::map<std::tuple<std::uintptr_t, std::uint64_t, int, int, int>, CUtensorMap> cache;
+  const auto key = std::make_tuple(base, rows, cols, static_cast<int>(dtype), box_rows);
+  const auto found = cache.find(key);
+  if (found != cache.end()) return found->second;
+  if (cache.size() >= kTransientMaps) cache.clear();
+  return cache.emplace(key, encode_tensor_map_2d(base, rows, cols, dtype, box_rows)).first->second;
+}
+
 }  // namespace cuda
 }  // namespace turbomq

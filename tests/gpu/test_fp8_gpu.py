@@ -121,29 +121,6 @@ def test_fp8_gemv_tiles_per_block_change_no_bit(rows, mode):
                                    atol=1e-4 * want.abs().max().item())
 
 
-@pytest.mark.parametrize("rows", [1, 3])
-@pytest.mark.parametrize("tiles", [1, 4])
-def test_fp8_gemv_l2_prefetch_changes_no_bit(rows, tiles):
-    """The first tile's L2 prefetch is a hint: none, part of a row or the
-    whole row (clamped) give the same bits, one tile a block or several."""
-    g = torch.Generator(device="cuda").manual_seed(rows)
-    k, n = 4096, 2 * 14336
-    x = torch.randn(rows, k, generator=g, device="cuda", dtype=torch.bfloat16)
-    w = quantize_weight(torch.randn(n, k, generator=g, device="cuda") * 0.02)
-    norm = (torch.rand(k, generator=g, device="cuda", dtype=torch.bfloat16) + 0.5, 1e-5)
-    outs = []
-    try:
-        cuda_ops._k.set_fp8_gemv_max_tiles(tiles)
-        for prefetch in (0, 16, 1024, 1 << 20):
-            cuda_ops._k.set_gemv_prefetch_bytes(prefetch)
-            outs.append(cuda_ops.linear(x, w, norm=norm, silu=True))
-    finally:
-        cuda_ops._k.set_fp8_gemv_max_tiles(cuda_ops.FP8_GEMV_MAX_TILES)
-        cuda_ops._k.set_gemv_prefetch_bytes(cuda_ops.GEMV_PREFETCH_BYTES)
-    for out in outs[1:]:
-        assert torch.equal(out, outs[0])
-
-
 @pytest.mark.parametrize("rows", [1, 4])
 @pytest.mark.parametrize("mode", ["norm", "silu", "residual"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -297,43 +297,6 @@ def test_gemv_fused(dtype, rows, mode, n, k, gen):
     assert torch.equal(single[0], got[rows - 1])
 
 
-@pytest.mark.parametrize("mode", ["store", "norm+silu", "add", "rope"])
-@pytest.mark.parametrize("rows", [1, 4])
-def test_gemv_l2_prefetch_changes_no_bit(mode, rows, gen):
-    """The weight rows' L2 prefetch is a hint: any amount (none, part of a
-    row, past the row's end, clamped) gives the same bits, on K = 4096 and
-    14336 rows."""
-    dtype, k_in = torch.bfloat16, 14336 if mode == "add" else 4096
-    n = {"store": 4096, "norm+silu": 2 * 1536, "add": 4096, "rope": 1536}[mode]
-    x = randn((rows, k_in), dtype, gen)
-    w = randn((n, k_in), dtype, gen, 0.02)
-    norm = (randn((k_in,), dtype, gen), 1e-5)
-    res = randn((rows, n), dtype, gen)
-    k = cuda_ops._k
-    outs = []
-    try:
-        for prefetch in (0, 16, 4096, 1 << 20):
-            k.set_gemv_prefetch_bytes(prefetch)
-            if mode == "rope":  # the qkv GEMV with rotary and the KV write
-                d, heads, kv_heads = 128, 8, 2
-                pool = LayerKV(torch.zeros(4, kv_heads, 16, d, dtype=dtype, device=DEV),
-                               torch.zeros(4, kv_heads, 16, d, dtype=dtype, device=DEV),
-                               None, None)
-                positions = torch.arange(rows, device=DEV)
-                q = cuda_ops.qkv_rotary_write_kv(x, w, norm, positions, cos_sin_table(64, d),
-                                                 pool, positions.clone(), heads)
-                outs.append(torch.cat([q.flatten(), pool.k.flatten(), pool.v.flatten()]))
-            elif mode == "add":
-                outs.append(cuda_ops.linear(x, w, residual=res.clone(), native=True))
-            else:
-                outs.append(cuda_ops.linear(x, w, norm=norm if mode != "store" else None,
-                                            silu=mode == "norm+silu", native=True))
-    finally:
-        k.set_gemv_prefetch_bytes(cuda_ops.GEMV_PREFETCH_BYTES)
-    for out in outs[1:]:
-        assert torch.equal(out, outs[0])
-
-
 @pytest.mark.parametrize("programmatic", [True, False])
 def test_fused_gemv_chain_in_graph(programmatic, gen):
     """A decoder layer's projections as fused GEMVs back to back: each starts

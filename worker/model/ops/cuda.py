@@ -84,12 +84,6 @@ FP8_GEMV_MAX_ROWS = int(os.environ.get("TURBOMQ_FP8_GEMV_MAX_ROWS", "4"))
 # all of them) where the tiles outnumber the GPU's block slots; 1 until
 # measured on a GPU (TURBOMQ_FP8_GEMV_MAX_TILES=4 to try).
 FP8_GEMV_MAX_TILES = int(os.environ.get("TURBOMQ_FP8_GEMV_MAX_TILES", "1"))
-# Bytes of each weight row a GEMV block asks L2 to prefetch before it waits
-# for the previous kernel (16-bit: past its first loads; FP8: its first
-# tile's rows), so that weights stream during that wait and the block's x
-# prologue. 0 (off) until measured on a GPU
-# (benchmarks/gpu_decode_profile.py times 0 against 8 KiB and whole rows).
-GEMV_PREFETCH_BYTES = int(os.environ.get("TURBOMQ_GEMV_PREFETCH_BYTES", "0"))
 
 
 def _on_hopper(variable: str) -> bool:
@@ -149,7 +143,6 @@ if _k is not None:
     # (TURBOMQ_PDL=0 turns it off).
     _k.set_programmatic_launch(os.environ.get("TURBOMQ_PDL", "1") != "0")
     _k.set_fp8_gemv_max_tiles(FP8_GEMV_MAX_TILES)
-    _k.set_gemv_prefetch_bytes(GEMV_PREFETCH_BYTES)
     set_invariant_wgmma(INVARIANT_WGMMA)
     _k.set_gemm_invariant_tma(INVARIANT_TMA)
     _k.set_prefill_attention_wgmma(PREFILL_WGMMA)

@@ -153,12 +153,15 @@ def decode_batch1(engine: Engine, cfg: ModelConfig, bandwidth: dict) -> dict:
             "roofline_tok_per_s_copy": bandwidth["copy_GBps"] * 1e9 / nbytes}
 
 
-def ab_arguments(description: str) -> argparse.Namespace:
-    """--out (created), --requests and --max-batch-size of an A/B run."""
+def ab_arguments(description: str, more=None) -> argparse.Namespace:
+    """--out (created), --requests and --max-batch-size of an A/B run, and
+    what `more(parser)` adds."""
     ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--requests", type=int, default=1000, help="offline requests; 0: none")
     ap.add_argument("--max-batch-size", type=int, default=256)
+    if more is not None:
+        more(ap)
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     return args

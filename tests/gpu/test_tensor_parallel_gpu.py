@@ -142,3 +142,125 @@ def test_peer_all_reduce_equals_nccl_and_replays_in_graphs(push):
         errors.append(failures.get())
     assert not errors, errors
     assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+
+
+def _spawn_ranks(target, *args) -> None:
+    """Runs target(rank, port, *args, failures) on two spawned ranks; fails
+    with what they reported."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    failures = ctx.SimpleQueue()
+    procs = [ctx.Process(target=target, args=(r, port, *args, failures)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=300)
+    errors = []
+    while not failures.empty():
+        errors.append(failures.get())
+    assert not errors, errors
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+
+
+def _fused_all_reduce_rank(rank: int, port: int, failures) -> None:
+    """One rank: the o projection pushed and summed inside the gate/up GEMV
+    gives the bits of linear, the peer all-reduce with the residual, and the
+    normed gate/up GEMV; at 1-4 rows, between plain all-reduces (they share
+    the call counter), and replayed from a CUDA graph with fresh inputs."""
+    from turbomq.worker.model.ops import cuda as cuda_ops
+    from turbomq.worker.model.parallel import ParallelConfig, TensorParallel
+
+    tp = TensorParallel(ParallelConfig(2, rank, f"tcp://127.0.0.1:{port}"),
+                        torch.device("cuda", rank))
+    try:
+        assert tp.peer is not None, "no peer all-reduce between the two GPUs"
+        dtype, hidden, part, inter, eps = torch.bfloat16, 1024, 512, 768, 1e-5
+        own = torch.Generator(device="cuda").manual_seed(rank)  # this rank's slices
+        same = torch.Generator(device="cuda").manual_seed(7)  # what every rank holds
+        w_o = torch.randn(hidden, part, generator=own, device="cuda", dtype=dtype) * 0.05
+        w_gu = torch.randn(2 * inter, hidden, generator=own, device="cuda", dtype=dtype) * 0.05
+        norm_w = torch.randn(hidden, generator=same, device="cuda", dtype=dtype)
+
+        def reference(attn, residual):
+            res = residual.clone()
+            tp.all_reduce_into(res, cuda_ops.linear(attn, w_o, native=True))
+            return res, cuda_ops.linear(res, w_gu, norm=(norm_w, eps), silu=True, native=True)
+
+        def fused(attn, residual, out):
+            cuda_ops.linear_push(attn, w_o, tp.peer)
+            return cuda_ops.linear_summed(residual, w_gu, (norm_w, eps), tp.peer, out, silu=True)
+
+        for rows in (1, 2, 3, 4, 1, 4):
+            attn = torch.randn(rows, part, generator=own, device="cuda", dtype=dtype)
+            residual = torch.randn(rows, hidden, generator=same, device="cuda", dtype=dtype)
+            want_res, want = reference(attn, residual)
+            out = torch.empty_like(residual)
+            got = fused(attn, residual, out)
+            assert torch.equal(out, want_res), f"residual, {rows} rows"
+            assert torch.equal(got, want), f"gate/up output, {rows} rows"
+        # captured once (a plain all-reduce between two fused pairs), replayed
+        attn = torch.zeros(1, part, device="cuda", dtype=dtype)
+        residual = torch.zeros(1, hidden, device="cuda", dtype=dtype)
+        plain = torch.zeros(1, hidden, device="cuda", dtype=dtype)
+        mid, out = torch.empty_like(residual), torch.empty_like(residual)
+
+        def step():
+            fused(attn, residual, mid)
+            tp.all_reduce(plain)
+            return fused(attn, mid, out)
+
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            step()  # warm-up outside the capture
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            act = step()
+        for i in range(20):
+            attn.copy_(torch.randn(attn.shape, generator=own, device="cuda", dtype=dtype))
+            residual.copy_(torch.randn(residual.shape, generator=same, device="cuda", dtype=dtype))
+            plain_in = torch.randn(plain.shape, generator=own, device="cuda", dtype=dtype)
+            plain.copy_(plain_in)
+            graph.replay()
+            want_mid, _ = reference(attn, residual)
+            want_out, want = reference(attn, want_mid)
+            want_plain = plain_in.clone()
+            dist_all_reduce(want_plain)
+            assert torch.equal(mid, want_mid) and torch.equal(out, want_out), f"replay {i}: residual"
+            assert torch.equal(act, want), f"replay {i}: gate/up output"
+            assert torch.equal(plain, want_plain), f"replay {i}: the plain all-reduce"
+        torch.cuda.synchronize()
+    except BaseException as exc:  # reported to the test, which fails on it
+        failures.put(f"rank {rank}: {exc!r}")
+        raise
+    finally:
+        tp.leave()
+
+
+def test_all_reduce_fused_into_the_gemvs_gives_the_same_bits():
+    _spawn_ranks(_fused_all_reduce_rank)
+
+
+def test_two_gpus_fused_all_reduce_gives_the_same_tokens(tmp_path, monkeypatch):
+    """Batch-1 decode with the all-reduces pushed and summed inside the GEMVs
+    (qkv and gate/up summing, o and down pushing): the tokens of the
+    separate all-reduce kernels, graphed and eager."""
+    path = tiny_model(tmp_path, 128, 2)
+    batch = prompts(3, 5)
+    want = [run(path, 2, "bf16", [p], max_batch_size=4)[0] for p in batch]
+    monkeypatch.setenv("TURBOMQ_PEER_FUSED", "1")  # the other ranks read it at import
+    monkeypatch.setattr(cuda_ops, "PEER_FUSED", True)
+    pushes = []
+    push = cuda_ops.linear_push
+    monkeypatch.setattr(cuda_ops, "linear_push", lambda *a: (pushes.append(1), push(*a))[1])
+    for graphs in (True, False):
+        got = [run(path, 2, "bf16", [p], max_batch_size=4, cuda_graphs=graphs)[0] for p in batch]
+        assert got == want, f"cuda_graphs={graphs}"
+    assert pushes, "the fused path never ran"

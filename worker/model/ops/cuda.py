@@ -389,33 +389,46 @@ def _run_gemv(x: torch.Tensor, rows: int, n_out: int, weight_ptr: int,
     return out
 
 
-def qkv_rotary_write_kv(x: torch.Tensor, weight: torch.Tensor, norm: tuple[torch.Tensor, float],
-                        positions: torch.Tensor, cos_sin: torch.Tensor, kv: LayerKV,
-                        slot_mapping: torch.Tensor, num_heads: int, *,
-                        out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """As reference.qkv_rotary_write_kv. At one row with a 16-bit pool (decode
-    at batch 1; FP8 weights: up to FP8_GEMV_MAX_ROWS rows) one GEMV launch does
-    it all: norm in front, rotary and the KV write behind. Otherwise linear()
-    then rotary_write_kv()."""
+def _qkv_fusable(x: torch.Tensor, weight, norm: tuple[torch.Tensor, float],
+                 cos_sin: torch.Tensor, kv: LayerKV, num_heads: int) -> bool:
+    """Whether qkv_rotary_write_kv runs as one GEMV launch."""
     t, k_in = x.shape
-    nkv, bs, d = kv.k.shape[1:]
-    fp8 = isinstance(weight, Fp8Weight)
-    if fp8:
+    nkv, _, d = kv.k.shape[1:]
+    if isinstance(weight, Fp8Weight):
         weight_ok = _fp8_gemv_ok(x, weight, t, norm)
     else:
         weight_ok = (FUSED_GEMV and 0 < t <= FUSED_GEMV_MAX_ROWS and _native_ok(x, weight)
                      and weight.dtype == x.dtype and weight.is_contiguous()
                      and weight.data_ptr() % 16 == 0 and t * k_in * 2 <= _k.GEMV_SMEM_BYTES
                      and k_in % 8 == 0)
-    fused = (weight_ok and _native_ok(x, kv.k)
-             and x.dtype in _HALF and kv.k.dtype == x.dtype
-             and norm[0].dtype == x.dtype and norm[0].is_contiguous()
-             and norm[0].data_ptr() % 16 == 0
-             and weight.shape == ((num_heads + 2 * nkv) * d, k_in)
-             and x.is_contiguous() and x.data_ptr() % 16 == 0
-             and kv.k.is_contiguous() and kv.v.is_contiguous()
-             and cos_sin.dtype == torch.float32 and cos_sin.is_contiguous()
-             and cos_sin.shape[-1] == d)
+    return (weight_ok and _native_ok(x, kv.k)
+            and x.dtype in _HALF and kv.k.dtype == x.dtype
+            and norm[0].dtype == x.dtype and norm[0].is_contiguous()
+            and norm[0].data_ptr() % 16 == 0
+            and weight.shape == ((num_heads + 2 * nkv) * d, k_in)
+            and x.is_contiguous() and x.data_ptr() % 16 == 0
+            and kv.k.is_contiguous() and kv.v.is_contiguous()
+            and cos_sin.dtype == torch.float32 and cos_sin.is_contiguous()
+            and cos_sin.shape[-1] == d)
+
+
+def qkv_rotary_write_kv(x: torch.Tensor, weight: torch.Tensor, norm: tuple[torch.Tensor, float],
+                        positions: torch.Tensor, cos_sin: torch.Tensor, kv: LayerKV,
+                        slot_mapping: torch.Tensor, num_heads: int, *,
+                        out: Optional[torch.Tensor] = None,
+                        peer_sum: Optional[tuple] = None) -> torch.Tensor:
+    """As reference.qkv_rotary_write_kv. At one row with a 16-bit pool (decode
+    at batch 1; FP8 weights: up to FP8_GEMV_MAX_ROWS rows) one GEMV launch does
+    it all: norm in front, rotary and the KV write behind. Otherwise linear()
+    then rotary_write_kv(). peer_sum = (peer, residual_out): x is the residual
+    before the ranks' pushed partial sums, which the launch adds first
+    (writing x + sum to residual_out); see linear_push."""
+    t, k_in = x.shape
+    nkv, bs, d = kv.k.shape[1:]
+    fp8 = isinstance(weight, Fp8Weight)
+    fused = _qkv_fusable(x, weight, norm, cos_sin, kv, num_heads)
+    if peer_sum is not None and not (fused and not fp8):
+        raise ValueError("qkv_rotary_write_kv: the peer sum needs the fused 16-bit GEMV")
     if not fused:
         qkv = linear(x, weight, norm=norm)
         q, k, v = qkv.split([num_heads * d, nkv * d, nkv * d], dim=-1)
@@ -431,7 +444,7 @@ def qkv_rotary_write_kv(x: torch.Tensor, weight: torch.Tensor, norm: tuple[torch
                          norm[0].data_ptr(), float(norm[1]), positions.data_ptr(),
                          cos_sin.data_ptr(), slots.data_ptr(), kv.k.data_ptr(), kv.v.data_ptr(),
                          num_heads, nkv, d, bs, _DTYPES[x.dtype], _stream(x),
-                         weight.scale.data_ptr() if fp8 else 0)
+                         weight.scale.data_ptr() if fp8 else 0, **_peer_args(peer_sum))
     return out
 
 
@@ -535,6 +548,73 @@ def all_reduce_peer(x: torch.Tensor, buffers: list[int], rank: int, capacity: in
         _k.all_reduce(out.data_ptr(), x.data_ptr(),
                       residual.data_ptr() if residual is not None else 0, x.numel(),
                       _DTYPES[x.dtype], buffers, rank, capacity, _stream(x))
+    return out
+
+
+# The all-reduce of decode's o and down projections fused into the GEMVs
+# around it (native/cuda/peer_sum.cuh): the projection pushes its partial
+# sums into every rank's buffer (linear_push) and the next one sums them in
+# its prologue (linear_summed, qkv_rotary_write_kv's peer_sum), with the
+# residual add and the norm. The same bits as linear, all_reduce_peer with
+# the residual, then the normed projection. Off until measured on GPUs
+# (TURBOMQ_PEER_FUSED=1 turns it on).
+PEER_FUSED = os.environ.get("TURBOMQ_PEER_FUSED", "0") == "1"
+
+
+def peer_fusable(x: torch.Tensor, capacity: int, qkv_weight, norm: tuple[torch.Tensor, float],
+                 cos_sin: torch.Tensor, kv: LayerKV, num_heads: int) -> bool:
+    """Whether a forward of residual x [rows, hidden] may fuse its
+    all-reduces: the rows the fused GEMV forms take, 16-bit weights, a
+    message within a slot, and the qkv projection in one launch."""
+    rows = x.shape[0]
+    return (PEER_FUSED and FUSED_GEMV and 0 < rows <= FUSED_GEMV_MAX_ROWS and _native_ok(x)
+            and x.dtype in _HALF and x.dim() == 2 and x.nbytes <= capacity
+            and x.nbytes <= _k.GEMV_SMEM_BYTES and x.shape[1] % 8 == 0
+            and not isinstance(qkv_weight, Fp8Weight)
+            and _qkv_fusable(x, qkv_weight, norm, cos_sin, kv, num_heads))
+
+
+def _peer_args(peer_sum: Optional[tuple]) -> dict:
+    if peer_sum is None:
+        return {}
+    peer, residual_out = peer_sum
+    return {"peer_buffers": peer.buffers, "peer_rank": peer.rank,
+            "peer_capacity": peer.capacity, "residual_out": residual_out.data_ptr()}
+
+
+def linear_push(x: torch.Tensor, weight: torch.Tensor, peer) -> None:
+    """x @ weight.T (this rank's partial sums), pushed into this rank's slot
+    of every rank's peer buffer for the next linear_summed or
+    qkv_rotary_write_kv(peer_sum=...) to add up."""
+    k_in = x.shape[-1]
+    rows = x.numel() // k_in
+    x2 = x.reshape(rows, k_in)
+    if not x2.is_contiguous() or x2.data_ptr() % 16 != 0:
+        x2 = x2.clone(memory_format=torch.contiguous_format)
+    if isinstance(weight, Fp8Weight) or weight.dtype != x.dtype or not weight.is_contiguous():
+        raise ValueError("linear_push: 16-bit contiguous weights of x's dtype")
+    with _on_device(x):
+        _k.gemv(0, x2.data_ptr(), weight.data_ptr(), rows, weight.shape[0], k_in,
+                _DTYPES[x.dtype], _stream(x), epilogue=_k.GemvEpilogue.PUSH,
+                peer_buffers=peer.buffers, peer_rank=peer.rank, peer_capacity=peer.capacity)
+
+
+def linear_summed(residual: torch.Tensor, weight: torch.Tensor, norm: tuple[torch.Tensor, float],
+                  peer, residual_out: torch.Tensor, *, silu: bool = False) -> torch.Tensor:
+    """residual_out = residual + (the ranks' pushed partial sums), then
+    linear(residual_out, weight, norm=norm, silu=silu), in one launch."""
+    rows, k_in = residual.shape
+    if (isinstance(weight, Fp8Weight) or weight.dtype != residual.dtype
+            or not weight.is_contiguous() or not residual.is_contiguous()
+            or residual_out.shape != residual.shape or not residual_out.is_contiguous()):
+        raise ValueError("linear_summed: 16-bit contiguous weights and residuals")
+    n_out = weight.shape[0] // 2 if silu else weight.shape[0]
+    out = torch.empty((rows, n_out), dtype=residual.dtype, device=residual.device)
+    epilogue = _k.GemvEpilogue.SILU_MUL if silu else _k.GemvEpilogue.STORE
+    with _on_device(residual):
+        _k.gemv(out.data_ptr(), residual.data_ptr(), weight.data_ptr(), rows, n_out, k_in,
+                _DTYPES[residual.dtype], _stream(residual), norm[0].data_ptr(), float(norm[1]),
+                epilogue, **_peer_args((peer, residual_out)))
     return out
 
 

@@ -114,7 +114,7 @@ class TensorParallel:
             torch.cuda.set_device(device)
         dist.init_process_group(backend, init_method=config.init_method, world_size=self.size,
                                 rank=self.rank, timeout=COLLECTIVE_TIMEOUT)
-        # Host data (step inputs) travels over gloo whatever the device.
+        # Host data (the IPC handles at start) travels over gloo whatever the device.
         self.host_group = dist.new_group(backend="gloo") if backend == "nccl" else dist.group.WORLD
         self.peer = PeerAllReduce.open(self, device)
 

@@ -3,10 +3,11 @@ with random bf16 weights (written once as a converted checkpoint: every rank
 loads its slice from it).
 
 Engines one after the other, in one run, all with CUDA graphs: one GPU (at
---max-batch-size, twice and four times that); two GPUs with every all-reduce through
-NCCL; two GPUs with decode's all-reduces through peer memory (the default);
-and that again with twice and four times the batch (the pool holds twice the
-tokens). Each: decode at batch 1 (prompt 128, 256 new tokens), an offline
+--max-batch-size, twice and four times that); two GPUs with every
+all-reduce through NCCL; two GPUs with decode's all-reduces through peer
+memory (the default), and with them fused into the GEMVs
+(TURBOMQ_PEER_FUSED); and the default again with twice and four times the
+batch (the pool holds twice the tokens). Each: decode at batch 1 (prompt 128, 256 new tokens), an offline
 batch of ShareGPT-like requests, and its KV pool size. --profile adds
 torch.profiler tables of each engine's prefill and batch-1 decode on rank 0.
 
@@ -31,24 +32,30 @@ import torch
 from gpu_engine import GREEDY, LLAMA3_8B, random_tensors, run_offline, sharegpt_like, sync_time
 from turbomq.worker import Engine, EngineConfig, SamplingParams
 from turbomq.worker.model import parallel
+from turbomq.worker.model.ops import cuda as cuda_ops
 from turbomq.worker.model.weights import Checkpoint, save_converted
 
-# (name, engine config, peer all-reduce on, batch multiple of --max-batch-size)
-CASES = [("1 GPU", dict(tensor_parallel=1), True, 1),
-         ("1 GPU, 2x batch", dict(tensor_parallel=1), True, 2),
-         ("1 GPU, 4x batch", dict(tensor_parallel=1), True, 4),
-         ("2 GPUs, NCCL all-reduce", dict(tensor_parallel=2), False, 1),
-         ("2 GPUs, peer all-reduce", dict(tensor_parallel=2), True, 1),
-         ("2 GPUs, peer all-reduce, 2x batch", dict(tensor_parallel=2), True, 2),
-         ("2 GPUs, peer all-reduce, 4x batch", dict(tensor_parallel=2), True, 4)]
+# (name, engine config, decode's all-reduce: "nccl", "peer" or "fused" into
+# the GEMVs, batch multiple of --max-batch-size)
+CASES = [("1 GPU", dict(tensor_parallel=1), "peer", 1),
+         ("1 GPU, 2x batch", dict(tensor_parallel=1), "peer", 2),
+         ("1 GPU, 4x batch", dict(tensor_parallel=1), "peer", 4),
+         ("2 GPUs, NCCL all-reduce", dict(tensor_parallel=2), "nccl", 1),
+         ("2 GPUs, peer all-reduce", dict(tensor_parallel=2), "peer", 1),
+         ("2 GPUs, peer all-reduce in the GEMVs", dict(tensor_parallel=2), "fused", 1),
+         ("2 GPUs, peer all-reduce, 2x batch", dict(tensor_parallel=2), "peer", 2),
+         ("2 GPUs, peer all-reduce, 4x batch", dict(tensor_parallel=2), "peer", 4)]
 
 
-def peer_all_reduce(on: bool) -> None:
-    """The peer-memory all-reduce on or off, here (rank 0) and in the rank
-    processes started next (they read the environment)."""
-    value = str(parallel.PEER_ALL_REDUCE_BYTES_DEFAULT if on else 0)
+def all_reduce_mode(mode: str) -> None:
+    """Decode's all-reduce through NCCL, peer memory, or peer memory fused
+    into the GEMVs, here (rank 0) and in the rank processes started next
+    (they read the environment)."""
+    value = str(0 if mode == "nccl" else parallel.PEER_ALL_REDUCE_BYTES_DEFAULT)
     os.environ["TURBOMQ_PEER_ALL_REDUCE_BYTES"] = value
     parallel.PEER_ALL_REDUCE_BYTES = int(value)
+    os.environ["TURBOMQ_PEER_FUSED"] = str(int(mode == "fused"))
+    cuda_ops.PEER_FUSED = mode == "fused"
 
 
 def ttft_ms(engine: Engine, repeats: int = 11) -> dict:
@@ -173,10 +180,10 @@ def main() -> None:
             torch.cuda.empty_cache()
             save_converted(Checkpoint(LLAMA3_8B, tensors), path)
             del tensors
-        for name, case, peer, batch in CASES:
-            if (args.without_nccl and not peer) or (args.only and args.only != name):
+        for name, case, mode, batch in CASES:
+            if (args.without_nccl and mode == "nccl") or (args.only and args.only != name):
                 continue
-            peer_all_reduce(peer)
+            all_reduce_mode(mode)
             batch *= args.max_batch_size
             slug = "".join(c if c.isalnum() else "_" for c in name.lower())
             profile_to = args.out / f"tp_profile_{slug}.txt" if args.profile else None

@@ -123,25 +123,7 @@ def dist_all_reduce(t: torch.Tensor) -> None:
 
 @pytest.mark.parametrize("push", [True, False], ids=["push", "pull"])
 def test_peer_all_reduce_equals_nccl_and_replays_in_graphs(push):
-    import socket
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    failures = ctx.SimpleQueue()
-    procs = [ctx.Process(target=_peer_all_reduce_rank, args=(r, port, push, failures)) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=300)
-    errors = []
-    while not failures.empty():
-        errors.append(failures.get())
-    assert not errors, errors
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    _spawn_ranks(_peer_all_reduce_rank, push)
 
 
 def _spawn_ranks(target, *args) -> None:

@@ -47,6 +47,25 @@ def _pace(t_next: float) -> None:
         pass
 
 
+def paced_sends(sizes: list, send) -> dict:
+    """send(message) of each size STEPS times, one every PERIOD_S, each
+    stamped with its send time (word 4); rank 0's time in each send."""
+    spent_by_size = {}
+    for name, n in sizes:
+        m = np.zeros(n, dtype=np.int64)
+        spent = []
+        t_next = time.monotonic()
+        for _ in range(STEPS):
+            t_next += PERIOD_S
+            _pace(t_next)
+            t0 = _now_ns()
+            m[4] = t0
+            send(m)
+            spent.append(_now_ns() - t0)
+        spent_by_size[name] = spent[WARMUP:]
+    return spent_by_size
+
+
 def _gloo_receiver(port: int, sizes: list, out) -> None:
     import torch
     import torch.distributed as dist
@@ -92,20 +111,13 @@ def run_gloo(sizes: list) -> tuple[dict, dict]:
     p = ctx.Process(target=_gloo_receiver, args=(port, sizes, out))
     p.start()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=2)
-    send = {}
-    for name, n in sizes:
-        m = torch.zeros(n, dtype=torch.long)
-        spent = []
-        t_next = time.monotonic()
-        for _ in range(STEPS):
-            t_next += PERIOD_S
-            _pace(t_next)
-            t0 = _now_ns()
-            m[4] = t0
-            dist.broadcast(m[:7].clone(), 0)
-            dist.broadcast(m[7:].clone(), 0)
-            spent.append(_now_ns() - t0)
-        send[name] = spent[WARMUP:]
+
+    def broadcast(m: np.ndarray) -> None:
+        t = torch.from_numpy(m)
+        dist.broadcast(t[:7].clone(), 0)
+        dist.broadcast(t[7:].clone(), 0)
+
+    send = paced_sends(sizes, broadcast)
     lat = out.get()
     p.join(60)
     dist.destroy_process_group()
@@ -120,20 +132,8 @@ def run_channel(sizes: list) -> tuple[dict, dict]:
     out = ctx.SimpleQueue()
     p = ctx.Process(target=_channel_receiver, args=(channel.name, os.getpid(), sizes, out))
     p.start()
-    send = {}
     try:
-        for name, n in sizes:
-            m = np.zeros(n, dtype=np.int64)
-            spent = []
-            t_next = time.monotonic()
-            for _ in range(STEPS):
-                t_next += PERIOD_S
-                _pace(t_next)
-                t0 = _now_ns()
-                m[4] = t0
-                channel.send(m)
-                spent.append(_now_ns() - t0)
-            send[name] = spent[WARMUP:]
+        send = paced_sends(sizes, channel.send)
         lat = out.get()
         p.join(60)
     finally:

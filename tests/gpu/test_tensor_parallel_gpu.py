@@ -60,59 +60,43 @@ def test_two_gpus_graph_decode_equals_eager(tmp_path):
 
 
 
-def _peer_all_reduce_rank(rank: int, port: int, push: bool, failures) -> None:
+def _peer_all_reduce_rank(tp, rank: int, push: bool) -> None:
     """One rank: the peer-memory all-reduce against NCCL's, bit for bit (two
     ranks: one rounding of a + b either way), over messages of changing size
     (each a different grid), with the residual add fused, and replayed from a
     CUDA graph with fresh inputs."""
     from turbomq.worker.model.ops import cuda as cuda_ops
-    from turbomq.worker.model.parallel import ParallelConfig, TensorParallel
 
-    tp = TensorParallel(ParallelConfig(2, rank, f"tcp://127.0.0.1:{port}"),
-                        torch.device("cuda", rank))
-    try:
-        cuda_ops._k.set_all_reduce_push(push)
-        assert tp.peer is not None, "no peer all-reduce between the two GPUs"
-        g = torch.Generator(device="cuda").manual_seed(rank)
-        for rows, dtype in [(1, torch.bfloat16), (3, torch.float16), (64, torch.bfloat16),
-                            (1, torch.float16), (128, torch.bfloat16), (2, torch.bfloat16)] * 3:
-            x = torch.randn(rows, 4096, generator=g, device="cuda", dtype=dtype)
-            res = torch.randn(rows, 4096, generator=g, device="cuda", dtype=dtype)
-            assert tp.peer.fits(x)
-            want = x.clone()
-            dist_all_reduce(want)
-            got = x.clone()
-            tp.all_reduce(got)
-            assert torch.equal(got, want), f"all_reduce, {rows} rows"
-            fused = res.clone()
-            tp.all_reduce_into(fused, x.clone())
-            assert torch.equal(fused, res + want), f"all_reduce_into, {rows} rows"
-        # captured once, replayed with new inputs: the flags live on the device
-        x = torch.zeros(4, 4096, device="cuda", dtype=torch.bfloat16)
-        res = torch.zeros_like(x)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            tp.all_reduce_into(res, x)  # warm-up outside the capture
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            tp.all_reduce_into(res, x)
-        for step in range(20):
-            new_x = torch.randn(x.shape, generator=g, device="cuda", dtype=x.dtype)
-            new_res = torch.randn(x.shape, generator=g, device="cuda", dtype=x.dtype)
-            x.copy_(new_x)
-            res.copy_(new_res)
-            graph.replay()
-            want = new_x.clone()
-            dist_all_reduce(want)
-            assert torch.equal(res, new_res + want), f"graph replay {step}"
-        torch.cuda.synchronize()
-    except BaseException as exc:  # reported to the test, which fails on it
-        failures.put(f"rank {rank}: {exc!r}")
-        raise
-    finally:
-        tp.leave()
+    cuda_ops._k.set_all_reduce_push(push)
+    assert tp.peer is not None, "no peer all-reduce between the two GPUs"
+    g = torch.Generator(device="cuda").manual_seed(rank)
+    for rows, dtype in [(1, torch.bfloat16), (3, torch.float16), (64, torch.bfloat16),
+                        (1, torch.float16), (128, torch.bfloat16), (2, torch.bfloat16)] * 3:
+        x = torch.randn(rows, 4096, generator=g, device="cuda", dtype=dtype)
+        res = torch.randn(rows, 4096, generator=g, device="cuda", dtype=dtype)
+        assert tp.peer.fits(x)
+        want = x.clone()
+        dist_all_reduce(want)
+        got = x.clone()
+        tp.all_reduce(got)
+        assert torch.equal(got, want), f"all_reduce, {rows} rows"
+        fused = res.clone()
+        tp.all_reduce_into(fused, x.clone())
+        assert torch.equal(fused, res + want), f"all_reduce_into, {rows} rows"
+    # captured once, replayed with new inputs: the flags live on the device
+    x = torch.zeros(4, 4096, device="cuda", dtype=torch.bfloat16)
+    res = torch.zeros_like(x)
+    graph, _ = _captured(lambda: tp.all_reduce_into(res, x))
+    for step in range(20):
+        new_x = torch.randn(x.shape, generator=g, device="cuda", dtype=x.dtype)
+        new_res = torch.randn(x.shape, generator=g, device="cuda", dtype=x.dtype)
+        x.copy_(new_x)
+        res.copy_(new_res)
+        graph.replay()
+        want = new_x.clone()
+        dist_all_reduce(want)
+        assert torch.equal(res, new_res + want), f"graph replay {step}"
+    torch.cuda.synchronize()
 
 
 def dist_all_reduce(t: torch.Tensor) -> None:
@@ -126,9 +110,9 @@ def test_peer_all_reduce_equals_nccl_and_replays_in_graphs(push):
     _spawn_ranks(_peer_all_reduce_rank, push)
 
 
-def _spawn_ranks(target, *args) -> None:
-    """Runs target(rank, port, *args, failures) on two spawned ranks; fails
-    with what they reported."""
+def _spawn_ranks(body, *args) -> None:
+    """Runs body(tp, rank, *args) on two spawned ranks of a tensor-parallel
+    group; fails with what they reported."""
     import socket
 
     import torch.multiprocessing as mp
@@ -138,7 +122,7 @@ def _spawn_ranks(target, *args) -> None:
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     failures = ctx.SimpleQueue()
-    procs = [ctx.Process(target=target, args=(r, port, *args, failures)) for r in range(2)]
+    procs = [ctx.Process(target=_run_rank, args=(body, r, port, args, failures)) for r in range(2)]
     for p in procs:
         p.start()
     for p in procs:
@@ -150,80 +134,92 @@ def _spawn_ranks(target, *args) -> None:
     assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
 
 
-def _fused_all_reduce_rank(rank: int, port: int, failures) -> None:
-    """One rank: the o projection pushed and summed inside the gate/up GEMV
-    gives the bits of linear, the peer all-reduce with the residual, and the
-    normed gate/up GEMV; at 1-4 rows, between plain all-reduces (they share
-    the call counter), and replayed from a CUDA graph with fresh inputs."""
-    from turbomq.worker.model.ops import cuda as cuda_ops
+def _run_rank(body, rank: int, port: int, args: tuple, failures) -> None:
     from turbomq.worker.model.parallel import ParallelConfig, TensorParallel
 
     tp = TensorParallel(ParallelConfig(2, rank, f"tcp://127.0.0.1:{port}"),
                         torch.device("cuda", rank))
     try:
-        assert tp.peer is not None, "no peer all-reduce between the two GPUs"
-        dtype, hidden, part, inter, eps = torch.bfloat16, 1024, 512, 768, 1e-5
-        own = torch.Generator(device="cuda").manual_seed(rank)  # this rank's slices
-        same = torch.Generator(device="cuda").manual_seed(7)  # what every rank holds
-        w_o = torch.randn(hidden, part, generator=own, device="cuda", dtype=dtype) * 0.05
-        w_gu = torch.randn(2 * inter, hidden, generator=own, device="cuda", dtype=dtype) * 0.05
-        norm_w = torch.randn(hidden, generator=same, device="cuda", dtype=dtype)
-
-        def reference(attn, residual):
-            res = residual.clone()
-            tp.all_reduce_into(res, cuda_ops.linear(attn, w_o, native=True))
-            return res, cuda_ops.linear(res, w_gu, norm=(norm_w, eps), silu=True, native=True)
-
-        def fused(attn, residual, out):
-            cuda_ops.linear_push(attn, w_o, tp.peer)
-            return cuda_ops.linear_summed(residual, w_gu, (norm_w, eps), tp.peer, out, silu=True)
-
-        for rows in (1, 2, 3, 4, 1, 4):
-            attn = torch.randn(rows, part, generator=own, device="cuda", dtype=dtype)
-            residual = torch.randn(rows, hidden, generator=same, device="cuda", dtype=dtype)
-            want_res, want = reference(attn, residual)
-            out = torch.empty_like(residual)
-            got = fused(attn, residual, out)
-            assert torch.equal(out, want_res), f"residual, {rows} rows"
-            assert torch.equal(got, want), f"gate/up output, {rows} rows"
-        # captured once (a plain all-reduce between two fused pairs), replayed
-        attn = torch.zeros(1, part, device="cuda", dtype=dtype)
-        residual = torch.zeros(1, hidden, device="cuda", dtype=dtype)
-        plain = torch.zeros(1, hidden, device="cuda", dtype=dtype)
-        mid, out = torch.empty_like(residual), torch.empty_like(residual)
-
-        def step():
-            fused(attn, residual, mid)
-            tp.all_reduce(plain)
-            return fused(attn, mid, out)
-
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            step()  # warm-up outside the capture
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            act = step()
-        for i in range(20):
-            attn.copy_(torch.randn(attn.shape, generator=own, device="cuda", dtype=dtype))
-            residual.copy_(torch.randn(residual.shape, generator=same, device="cuda", dtype=dtype))
-            plain_in = torch.randn(plain.shape, generator=own, device="cuda", dtype=dtype)
-            plain.copy_(plain_in)
-            graph.replay()
-            want_mid, _ = reference(attn, residual)
-            want_out, want = reference(attn, want_mid)
-            want_plain = plain_in.clone()
-            dist_all_reduce(want_plain)
-            assert torch.equal(mid, want_mid) and torch.equal(out, want_out), f"replay {i}: residual"
-            assert torch.equal(act, want), f"replay {i}: gate/up output"
-            assert torch.equal(plain, want_plain), f"replay {i}: the plain all-reduce"
-        torch.cuda.synchronize()
+        body(tp, rank, *args)
     except BaseException as exc:  # reported to the test, which fails on it
         failures.put(f"rank {rank}: {exc!r}")
         raise
     finally:
         tp.leave()
+
+
+def _captured(fn):
+    """fn() captured once into a CUDA graph (after a warm-up run on a side
+    stream): the graph and what fn returned while captured."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        result = fn()
+    return graph, result
+
+
+def _fused_all_reduce_rank(tp, rank: int) -> None:
+    """One rank: the o projection pushed and summed inside the gate/up GEMV
+    gives the bits of linear, the peer all-reduce with the residual, and the
+    normed gate/up GEMV; at 1-4 rows, between plain all-reduces (they share
+    the call counter), and replayed from a CUDA graph with fresh inputs."""
+    from turbomq.worker.model.ops import cuda as cuda_ops
+
+    assert tp.peer is not None, "no peer all-reduce between the two GPUs"
+    dtype, hidden, part, inter, eps = torch.bfloat16, 1024, 512, 768, 1e-5
+    own = torch.Generator(device="cuda").manual_seed(rank)  # this rank's slices
+    same = torch.Generator(device="cuda").manual_seed(7)  # what every rank holds
+    w_o = torch.randn(hidden, part, generator=own, device="cuda", dtype=dtype) * 0.05
+    w_gu = torch.randn(2 * inter, hidden, generator=own, device="cuda", dtype=dtype) * 0.05
+    norm_w = torch.randn(hidden, generator=same, device="cuda", dtype=dtype)
+
+    def reference(attn, residual):
+        res = residual.clone()
+        tp.all_reduce_into(res, cuda_ops.linear(attn, w_o, native=True))
+        return res, cuda_ops.linear(res, w_gu, norm=(norm_w, eps), silu=True, native=True)
+
+    def fused(attn, residual, out):
+        cuda_ops.linear_push(attn, w_o, tp.peer)
+        return cuda_ops.linear_summed(residual, w_gu, (norm_w, eps), tp.peer, out, silu=True)
+
+    for rows in (1, 2, 3, 4, 1, 4):
+        attn = torch.randn(rows, part, generator=own, device="cuda", dtype=dtype)
+        residual = torch.randn(rows, hidden, generator=same, device="cuda", dtype=dtype)
+        want_res, want = reference(attn, residual)
+        out = torch.empty_like(residual)
+        got = fused(attn, residual, out)
+        assert torch.equal(out, want_res), f"residual, {rows} rows"
+        assert torch.equal(got, want), f"gate/up output, {rows} rows"
+    # captured once (a plain all-reduce between two fused pairs), replayed
+    attn = torch.zeros(1, part, device="cuda", dtype=dtype)
+    residual = torch.zeros(1, hidden, device="cuda", dtype=dtype)
+    plain = torch.zeros(1, hidden, device="cuda", dtype=dtype)
+    mid, out = torch.empty_like(residual), torch.empty_like(residual)
+
+    def step():
+        fused(attn, residual, mid)
+        tp.all_reduce(plain)
+        return fused(attn, mid, out)
+
+    graph, act = _captured(step)
+    for i in range(20):
+        attn.copy_(torch.randn(attn.shape, generator=own, device="cuda", dtype=dtype))
+        residual.copy_(torch.randn(residual.shape, generator=same, device="cuda", dtype=dtype))
+        plain_in = torch.randn(plain.shape, generator=own, device="cuda", dtype=dtype)
+        plain.copy_(plain_in)
+        graph.replay()
+        want_mid, _ = reference(attn, residual)
+        want_out, want = reference(attn, want_mid)
+        want_plain = plain_in.clone()
+        dist_all_reduce(want_plain)
+        assert torch.equal(mid, want_mid) and torch.equal(out, want_out), f"replay {i}: residual"
+        assert torch.equal(act, want), f"replay {i}: gate/up output"
+        assert torch.equal(plain, want_plain), f"replay {i}: the plain all-reduce"
+    torch.cuda.synchronize()
 
 
 def test_all_reduce_fused_into_the_gemvs_gives_the_same_bits():

@@ -32,8 +32,11 @@ import numpy as np
 
 _SEQ, _LEN, _ACKS = 0, 1, 2
 CAPACITY_WORDS = 1 << 16  # payload words of one piece (512 KiB)
-_SPIN_S = 0.002  # a waiter polls without sleeping this long, then sleeps between polls
-_NAP_S = 20e-6
+# A waiter polls without sleeping for _SPIN_S, then naps _NAP_S between
+# polls, and _IDLE_NAP_S once it has waited _IDLE_S (an idle engine, or a
+# slow CPU step, should not keep a core busy).
+_SPIN_S, _NAP_S = 0.002, 20e-6
+_IDLE_S, _IDLE_NAP_S = 0.05, 1e-3
 
 
 class ChannelClosed(RuntimeError):
@@ -126,7 +129,7 @@ class StepChannel:
             now = time.monotonic()
             if now - start < _SPIN_S:
                 continue
-            time.sleep(_NAP_S)
+            time.sleep(_NAP_S if now - start < _IDLE_S else _IDLE_NAP_S)
             if self._reader is None and now - start > self._timeout:
                 raise ChannelClosed(gone)
             if self._reader is not None and now - last_check > 1.0:

@@ -2,7 +2,9 @@
 kernel (native/cuda/all_reduce.cu) pulling and pushing, per call, as decode
 runs it: 64 calls in a row (two a layer of a 32-layer model), each adding
 the sum into the residual stream, captured once as a CUDA graph and
-replayed. All rows from one run.
+replayed; from one decode row to 1024 (a large decode batch), where the
+peer kernel should hand over to NCCL (TURBOMQ_PEER_ALL_REDUCE_BYTES; the
+run raises it to take every size). All rows from one run.
 
     python benchmarks/gpu_all_reduce.py --out DIR   (on a machine with 2 GPUs)
 
@@ -21,7 +23,7 @@ import torch
 CALLS = 64  # per graph: a 32-layer model's all-reduces of one decode step
 REPLAYS = 50
 HIDDEN = 4096
-ROWS = (1, 8, 64)
+ROWS = (1, 8, 64, 128, 256, 512, 1024)
 MODES = ("NCCL", "peer, pull", "peer, push")
 
 
@@ -42,6 +44,7 @@ def _rank(rank: int, port: int, results) -> None:
             for rows in ROWS:
                 x = torch.randn(rows, HIDDEN, device="cuda", dtype=torch.bfloat16)
                 res = torch.zeros_like(x)
+                assert mode == "NCCL" or tp.peer.fits(x), f"{rows} rows exceed the peer buffer"
 
                 def calls() -> None:
                     for _ in range(CALLS):
@@ -100,8 +103,12 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     if torch.cuda.device_count() < 2:
         raise SystemExit("all-reduce benchmark: needs 2 CUDA devices")
+    import os
+
     import torch.multiprocessing as mp
 
+    # every size through the peer kernel (the ranks read it at import)
+    os.environ["TURBOMQ_PEER_ALL_REDUCE_BYTES"] = str(max(ROWS) * HIDDEN * 2)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

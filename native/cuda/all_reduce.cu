@@ -40,14 +40,6 @@ struct AllReduceArgs {
   int rank, ranks;
 };
 
-template <typename T>
-__device__ __forceinline__ void add8(float* acc, const uint4& v) {
-  float f[8];
-  unpack8<T>(v, f);
-#pragma unroll
-  for (int e = 0; e < 8; ++e) acc[e] += f[e];
-}
-
 template <typename T, int R, bool kPush>
 __global__ void __launch_bounds__(kThreads) all_reduce_kernel(const AllReduceArgs a) {
   grid_dependency_wait();  // the input, the residual and the last call's counter

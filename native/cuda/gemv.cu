@@ -146,10 +146,7 @@ __device__ __forceinline__ void stage_x(const GemvArgs<T, TW>& a, uint4* xs,
     for (int i = threadIdx.x; i < M * kxv; i += kThreads) {
       float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
       for (int r = 0; r < a.peer.ranks; ++r) {
-        float f[8];
-        unpack8<T>(__ldcg(reinterpret_cast<const uint4*>(peer_slot(a.peer, a.peer.rank, r, call)) + i), f);
-#pragma unroll
-        for (int e = 0; e < 8; ++e) acc[e] += f[e];
+        add8<T>(acc, __ldcg(reinterpret_cast<const uint4*>(peer_slot(a.peer, a.peer.rank, r, call)) + i));
       }
       float res[8];
       unpack8<T>(__ldcg(xv + i), res);

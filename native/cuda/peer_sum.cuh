@@ -34,6 +34,15 @@ struct PeerHeader {
 };
 constexpr std::size_t kPeerDataOffset = (sizeof(PeerHeader) + 255) / 256 * 256;
 
+// acc[0..8) += the eight values of v (a slot's vector, in rank order).
+template <typename T>
+__device__ __forceinline__ void add8(float* acc, const uint4& v) {
+  float f[8];
+  unpack8<T>(v, f);
+#pragma unroll
+  for (int e = 0; e < 8; ++e) acc[e] += f[e];
+}
+
 // Every rank's buffer, mapped here, and which one is this rank's.
 struct PeerLink {
   char* buffers[kAllReduceMaxRanks];

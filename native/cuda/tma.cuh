@@ -8,6 +8,7 @@
 #include <cuda.h>
 #include <cudaTypedefs.h>
 
+#include <cstddef>
 #include <cstdint>
 #include <map>
 #include <tuple>
@@ -86,31 +87,38 @@ inline CUtensorMap encode_tensor_map_2d(std::uintptr_t base, std::uint64_t rows,
   return map;
 }
 
-// The same, encoded once per (base, rows, cols, dtype, box rows) and cached:
-// for tensors that stay where they are (the KV pool, weights).
-inline const CUtensorMap& tensor_map_2d(std::uintptr_t base, std::uint64_t rows, int cols,
-                                        DType dtype, int box_rows = 64) {
-  static std::map<std::tuple<std::uintptr_t, std::uint64_t, int, int, int>, CUtensorMap> cache;
+using TensorMapCache =
+    std::map<std::tuple<std::uintptr_t, std::uint64_t, int, int, int>, CUtensorMap>;
+
+// The map of (base, rows, cols, dtype, box rows) from `cache`, encoded on a
+// miss; the cache is emptied first when it holds `bound` maps.
+inline const CUtensorMap& cached_tensor_map_2d(TensorMapCache& cache, std::size_t bound,
+                                               std::uintptr_t base, std::uint64_t rows, int cols,
+                                               DType dtype, int box_rows) {
   const auto key = std::make_tuple(base, rows, cols, static_cast<int>(dtype), box_rows);
   const auto found = cache.find(key);
   if (found != cache.end()) return found->second;
+  if (cache.size() >= bound) cache.clear();
   return cache.emplace(key, encode_tensor_map_2d(base, rows, cols, dtype, box_rows)).first->second;
 }
 
-// The same for activations, returned by value: their buffers come and go
-// (the allocator reuses a few addresses, the row count changes with every
-// batch), so the cache is emptied when it grows past kTransientMaps. An
-// eager prefill launches hundreds of GEMMs, and encoding each one's map
-// (a driver call) would add its cost to every launch.
+// For tensors that stay where they are (the KV pool, weights): every map
+// kept, so the reference stays valid.
+inline const CUtensorMap& tensor_map_2d(std::uintptr_t base, std::uint64_t rows, int cols,
+                                        DType dtype, int box_rows = 64) {
+  static TensorMapCache cache;
+  return cached_tensor_map_2d(cache, SIZE_MAX, base, rows, cols, dtype, box_rows);
+}
+
+// For activations, returned by value: their buffers come and go (the
+// allocator reuses a few addresses, the row count changes with every
+// batch), so the cache is emptied past 4096 maps. An eager prefill launches
+// hundreds of GEMMs, and encoding each one's map (a driver call) would add
+// its cost to every launch.
 inline CUtensorMap transient_tensor_map_2d(std::uintptr_t base, std::uint64_t rows, int cols,
                                            DType dtype, int box_rows) {
-  constexpr std::size_t kTransientMaps = 4096;
-  static std::map<std::tuple<std::uintptr_t, std::uint64_t, int, int, int>, CUtensorMap> cache;
-  const auto key = std::make_tuple(base, rows, cols, static_cast<int>(dtype), box_rows);
-  const auto found = cache.find(key);
-  if (found != cache.end()) return found->second;
-  if (cache.size() >= kTransientMaps) cache.clear();
-  return cache.emplace(key, encode_tensor_map_2d(base, rows, cols, dtype, box_rows)).first->second;
+  static TensorMapCache cache;
+  return cached_tensor_map_2d(cache, 4096, base, rows, cols, dtype, box_rows);
 }
 
 }  // namespace cuda

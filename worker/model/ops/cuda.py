@@ -366,9 +366,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, *,
 def _run_gemv(x: torch.Tensor, rows: int, n_out: int, weight_ptr: int,
               norm: Optional[tuple[torch.Tensor, float]], silu: bool,
               residual: Optional[torch.Tensor], out: Optional[torch.Tensor] = None,
-              w_scale_ptr: int = 0) -> torch.Tensor:
+              w_scale_ptr: int = 0, peer=None, residual_out: Optional[torch.Tensor] = None
+              ) -> Optional[torch.Tensor]:
     """One GEMV launch over checked inputs: 16-bit weights, or E4M3 weights
-    with their scales at w_scale_ptr."""
+    with their scales at w_scale_ptr. With `peer`: the output pushed to the
+    ranks' peer buffers (returns None), or, with `residual_out`, x (the
+    residual) plus the ranks' pushed sums first (see linear_push)."""
     if silu and residual is not None:  # no single epilogue does both
         return residual.add_(_run_gemv(x, rows, n_out, weight_ptr, norm, True, None,
                                        w_scale_ptr=w_scale_ptr))
@@ -376,17 +379,21 @@ def _run_gemv(x: torch.Tensor, rows: int, n_out: int, weight_ptr: int,
     x2 = x.reshape(rows, k_in)
     if not x2.is_contiguous() or x2.data_ptr() % 16 != 0:
         x2 = x2.clone(memory_format=torch.contiguous_format)  # fresh, so aligned
-    if residual is not None:
+    push = peer is not None and residual_out is None
+    if push:
+        epilogue = _k.GemvEpilogue.PUSH
+    elif residual is not None:
         out, epilogue = residual, _k.GemvEpilogue.ADD_INTO
     else:
         epilogue = _k.GemvEpilogue.SILU_MUL if silu else _k.GemvEpilogue.STORE
         if out is None:
             out = torch.empty((*x.shape[:-1], n_out), dtype=x.dtype, device=x.device)
     with _on_device(x):
-        _k.gemv(out.data_ptr(), x2.data_ptr(), weight_ptr, rows, n_out, k_in,
+        _k.gemv(0 if push else out.data_ptr(), x2.data_ptr(), weight_ptr, rows, n_out, k_in,
                 _DTYPES[x.dtype], _stream(x), norm[0].data_ptr() if norm is not None else 0,
-                float(norm[1]) if norm is not None else 0.0, epilogue, w_scale_ptr)
-    return out
+                float(norm[1]) if norm is not None else 0.0, epilogue, w_scale_ptr,
+                **_peer_args(peer, residual_out))
+    return None if push else out
 
 
 def _qkv_fusable(x: torch.Tensor, weight, norm: tuple[torch.Tensor, float],
@@ -444,7 +451,8 @@ def qkv_rotary_write_kv(x: torch.Tensor, weight: torch.Tensor, norm: tuple[torch
                          norm[0].data_ptr(), float(norm[1]), positions.data_ptr(),
                          cos_sin.data_ptr(), slots.data_ptr(), kv.k.data_ptr(), kv.v.data_ptr(),
                          num_heads, nkv, d, bs, _DTYPES[x.dtype], _stream(x),
-                         weight.scale.data_ptr() if fp8 else 0, **_peer_args(peer_sum))
+                         weight.scale.data_ptr() if fp8 else 0,
+                         **_peer_args(*(peer_sum or (None, None))))
     return out
 
 
@@ -574,48 +582,39 @@ def peer_fusable(x: torch.Tensor, capacity: int, qkv_weight, norm: tuple[torch.T
             and _qkv_fusable(x, qkv_weight, norm, cos_sin, kv, num_heads))
 
 
-def _peer_args(peer_sum: Optional[tuple]) -> dict:
-    if peer_sum is None:
+def _peer_args(peer, residual_out: Optional[torch.Tensor]) -> dict:
+    """The native GEMV's peer arguments: none, a push, or a sum into residual_out."""
+    if peer is None:
         return {}
-    peer, residual_out = peer_sum
-    return {"peer_buffers": peer.buffers, "peer_rank": peer.rank,
-            "peer_capacity": peer.capacity, "residual_out": residual_out.data_ptr()}
+    return {"peer_buffers": peer.buffers, "peer_rank": peer.rank, "peer_capacity": peer.capacity,
+            "residual_out": residual_out.data_ptr() if residual_out is not None else 0}
+
+
+def _peer_weight_ok(x: torch.Tensor, weight) -> None:
+    if isinstance(weight, Fp8Weight) or weight.dtype != x.dtype or not weight.is_contiguous():
+        raise ValueError("the peer GEMV forms take contiguous 16-bit weights of x's dtype")
 
 
 def linear_push(x: torch.Tensor, weight: torch.Tensor, peer) -> None:
     """x @ weight.T (this rank's partial sums), pushed into this rank's slot
     of every rank's peer buffer for the next linear_summed or
     qkv_rotary_write_kv(peer_sum=...) to add up."""
+    _peer_weight_ok(x, weight)
     k_in = x.shape[-1]
-    rows = x.numel() // k_in
-    x2 = x.reshape(rows, k_in)
-    if not x2.is_contiguous() or x2.data_ptr() % 16 != 0:
-        x2 = x2.clone(memory_format=torch.contiguous_format)
-    if isinstance(weight, Fp8Weight) or weight.dtype != x.dtype or not weight.is_contiguous():
-        raise ValueError("linear_push: 16-bit contiguous weights of x's dtype")
-    with _on_device(x):
-        _k.gemv(0, x2.data_ptr(), weight.data_ptr(), rows, weight.shape[0], k_in,
-                _DTYPES[x.dtype], _stream(x), epilogue=_k.GemvEpilogue.PUSH,
-                peer_buffers=peer.buffers, peer_rank=peer.rank, peer_capacity=peer.capacity)
+    _run_gemv(x, x.numel() // k_in, weight.shape[0], weight.data_ptr(), None, False, None,
+              peer=peer)
 
 
 def linear_summed(residual: torch.Tensor, weight: torch.Tensor, norm: tuple[torch.Tensor, float],
                   peer, residual_out: torch.Tensor, *, silu: bool = False) -> torch.Tensor:
     """residual_out = residual + (the ranks' pushed partial sums), then
     linear(residual_out, weight, norm=norm, silu=silu), in one launch."""
-    rows, k_in = residual.shape
-    if (isinstance(weight, Fp8Weight) or weight.dtype != residual.dtype
-            or not weight.is_contiguous() or not residual.is_contiguous()
-            or residual_out.shape != residual.shape or not residual_out.is_contiguous()):
-        raise ValueError("linear_summed: 16-bit contiguous weights and residuals")
+    _peer_weight_ok(residual, weight)
+    if residual_out.shape != residual.shape or not residual_out.is_contiguous():
+        raise ValueError("linear_summed: residual_out must be a contiguous tensor like residual")
     n_out = weight.shape[0] // 2 if silu else weight.shape[0]
-    out = torch.empty((rows, n_out), dtype=residual.dtype, device=residual.device)
-    epilogue = _k.GemvEpilogue.SILU_MUL if silu else _k.GemvEpilogue.STORE
-    with _on_device(residual):
-        _k.gemv(out.data_ptr(), residual.data_ptr(), weight.data_ptr(), rows, n_out, k_in,
-                _DTYPES[residual.dtype], _stream(residual), norm[0].data_ptr(), float(norm[1]),
-                epilogue, **_peer_args((peer, residual_out)))
-    return out
+    return _run_gemv(residual, residual.shape[0], n_out, weight.data_ptr(), norm, silu, None,
+                     peer=peer, residual_out=residual_out)
 
 
 # ----------------------------------------------------------- attention

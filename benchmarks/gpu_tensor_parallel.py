@@ -4,10 +4,10 @@ loads its slice from it).
 
 Engines one after the other, in one run, all with CUDA graphs: one GPU (at
 --max-batch-size, twice and four times that); two GPUs with every
-all-reduce through NCCL; two GPUs with decode's all-reduces through peer
-memory (the default), and with them fused into the GEMVs
-(TURBOMQ_PEER_FUSED); and the default again with twice and four times the
-batch (the pool holds twice the tokens). Each: decode at batch 1 (prompt 128, 256 new tokens), an offline
+all-reduce through NCCL; two GPUs with the small all-reduces through peer
+memory (the default), and again with twice and four times the batch (the
+pool holds twice the tokens). Each: decode at batch 1 (prompt 128, 256 new
+tokens), an offline
 batch of ShareGPT-like requests, and its KV pool size. --profile adds
 torch.profiler tables of each engine's prefill and batch-1 decode on rank 0.
 
@@ -32,30 +32,25 @@ import torch
 from gpu_engine import GREEDY, LLAMA3_8B, random_tensors, run_offline, sharegpt_like, sync_time
 from turbomq.worker import Engine, EngineConfig, SamplingParams
 from turbomq.worker.model import parallel
-from turbomq.worker.model.ops import cuda as cuda_ops
 from turbomq.worker.model.weights import Checkpoint, save_converted
 
-# (name, engine config, decode's all-reduce: "nccl", "peer" or "fused" into
-# the GEMVs, batch multiple of --max-batch-size)
+# (name, engine config, decode's all-reduce: "nccl" or "peer", batch
+# multiple of --max-batch-size)
 CASES = [("1 GPU", dict(tensor_parallel=1), "peer", 1),
          ("1 GPU, 2x batch", dict(tensor_parallel=1), "peer", 2),
          ("1 GPU, 4x batch", dict(tensor_parallel=1), "peer", 4),
          ("2 GPUs, NCCL all-reduce", dict(tensor_parallel=2), "nccl", 1),
          ("2 GPUs, peer all-reduce", dict(tensor_parallel=2), "peer", 1),
-         ("2 GPUs, peer all-reduce in the GEMVs", dict(tensor_parallel=2), "fused", 1),
          ("2 GPUs, peer all-reduce, 2x batch", dict(tensor_parallel=2), "peer", 2),
          ("2 GPUs, peer all-reduce, 4x batch", dict(tensor_parallel=2), "peer", 4)]
 
 
 def all_reduce_mode(mode: str) -> None:
-    """Decode's all-reduce through NCCL, peer memory, or peer memory fused
-    into the GEMVs, here (rank 0) and in the rank processes started next
-    (they read the environment)."""
+    """Small all-reduces through NCCL or peer memory, here (rank 0) and in the
+    rank processes started next (they read the environment)."""
     value = str(0 if mode == "nccl" else parallel.PEER_ALL_REDUCE_BYTES_DEFAULT)
     os.environ["TURBOMQ_PEER_ALL_REDUCE_BYTES"] = value
     parallel.PEER_ALL_REDUCE_BYTES = int(value)
-    os.environ["TURBOMQ_PEER_FUSED"] = str(int(mode == "fused"))
-    cuda_ops.PEER_FUSED = mode == "fused"
 
 
 def ttft_ms(engine: Engine, repeats: int = 11) -> dict:

@@ -149,14 +149,22 @@ constexpr float kFp8MaxInv = 1.0f / 448.0f;
 
 __device__ __forceinline__ float fp8_scale(float amax) { return fmaxf(amax * kFp8MaxInv, 1e-12f); }
 
-// x / scale rounded to E4M3 (nearest even, saturating), as a float.
-__device__ __forceinline__ float fp8_round(float x, float scale) {
-  return static_cast<float>(__nv_fp8_e4m3(__fdiv_rn(x, scale)));
-}
-
-// The same, as its E4M3 bits.
-__device__ __forceinline__ std::uint8_t fp8_bits(float x, float scale) {
-  return __nv_fp8_e4m3(__fdiv_rn(x, scale)).__x;
+// f[0..8) * inv (inv = 1 / scale, rounded once: __frcp_rn) rounded to E4M3
+// (nearest even, saturating), as eight bytes in order: the reference's
+// quantize_rows. A multiply, not a division per value: quantizing x is every
+// FP8 GEMV block's prologue.
+__device__ __forceinline__ uint2 fp8_pack8(const float* f, float inv) {
+  std::uint32_t w[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const __nv_fp8x2_storage_t lo = __nv_cvt_float2_to_fp8x2(
+        make_float2(__fmul_rn(f[4 * h], inv), __fmul_rn(f[4 * h + 1], inv)), __NV_SATFINITE, __NV_E4M3);
+    const __nv_fp8x2_storage_t hi = __nv_cvt_float2_to_fp8x2(
+        make_float2(__fmul_rn(f[4 * h + 2], inv), __fmul_rn(f[4 * h + 3], inv)), __NV_SATFINITE,
+        __NV_E4M3);
+    w[h] = static_cast<std::uint32_t>(lo) | (static_cast<std::uint32_t>(hi) << 16);
+  }
+  return make_uint2(w[0], w[1]);
 }
 
 __device__ __forceinline__ float warp_max(float x) {

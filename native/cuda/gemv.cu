@@ -358,7 +358,7 @@ using Fp8 = __nv_fp8_e4m3;
 constexpr int kFp8Steps = 8;  // 64-byte K steps in flight per warp (16 loads per lane)
 
 // Quantizes the staged x rows per row, as quantize_fp8: scale[m] =
-// fp8_scale(amax of row m), xq[m][k] = e4m3(x[m][k] / scale[m]) (bytes).
+// fp8_scale(amax of row m), xq[m][k] = e4m3(x[m][k] * (1 / scale[m])) (bytes).
 template <typename T, int M, int W>
 __device__ __forceinline__ void quantize_staged(const uint4* xs, uint2* xq, int k_in,
                                                 float (&partial)[W][M], float (&scale)[M]) {
@@ -378,21 +378,22 @@ __device__ __forceinline__ void quantize_staged(const uint4* xs, uint2* xq, int 
     if (lane == 0) partial[threadIdx.x / 32][m] = amax;
   }
   __syncthreads();
+  float inv[M];
 #pragma unroll
   for (int m = 0; m < M; ++m) {
     float amax = 0.0f;
 #pragma unroll
     for (int i = 0; i < W; ++i) amax = fmaxf(amax, partial[i][m]);
     scale[m] = fp8_scale(amax);
+    inv[m] = __frcp_rn(scale[m]);
   }
-  for (int i = threadIdx.x; i < M * kxv; i += kThreads) {
-    float f[8];
-    widen8<T>(xs[i], f);
-    std::uint32_t b[2] = {0, 0};
 #pragma unroll
-    for (int e = 0; e < 8; ++e)
-      b[e / 4] |= static_cast<std::uint32_t>(fp8_bits(f[e], scale[i / kxv])) << (8 * (e % 4));
-    xq[i] = make_uint2(b[0], b[1]);
+  for (int m = 0; m < M; ++m) {
+    for (int i = threadIdx.x; i < kxv; i += kThreads) {
+      float f[8];
+      widen8<T>(xs[m * kxv + i], f);
+      xq[m * kxv + i] = fp8_pack8(f, inv[m]);
+    }
   }
   __syncthreads();
 }
@@ -413,20 +414,24 @@ __device__ __forceinline__ void mma_e4m3(float (&d)[4], std::uint32_t a0, std::u
 // column c0 + g. A block owns a.tiles_per_block consecutive tiles (one x
 // prologue for all of them: a launch whose tiles outnumber the GPU's block
 // slots takes several per block). K runs in 64-byte steps, dealt to the W
-// warps in turn, tile after tile. In a step, lane (g, t) loads bytes
-// [16 t, 16 t + 16) of both its rows and of x row g (zero for g >= M): two
-// mmas take bytes 0-7 and 8-15 of each (an mma's K order is a permutation
-// of the bytes, the same for A and B, so the dot products are unchanged).
-// Accumulator element j of lane (g, t) is (row g + 8 (j / 2), x row
-// 2 t + j % 2). A tile's sums do not depend on how many share its block.
+// warps in turn. In a step, lane (g, t) loads bytes [16 t, 16 t + 16) of
+// both its rows and of x row g (zero for g >= M): two mmas take bytes 0-7
+// and 8-15 of each (an mma's K order is a permutation of the bytes, the same
+// for A and B, so the dot products are unchanged). Accumulator element j of
+// lane (g, t) is (row g + 8 (j / 2), x row 2 t + j % 2). A tile's sums do not
+// depend on how many share its block. The loads run as a ring of kFp8Steps
+// steps: a step's registers are refilled with the step kFp8Steps ahead as
+// soon as they are consumed, so the warp keeps its loads in flight until
+// its last steps; pointers advance by addition (no index arithmetic per load).
 template <typename T, int M, int W, Prologue P, Epilogue E>
 __global__ void __launch_bounds__(W * 32) gemv_fp8_kernel(const GemvArgs<T, Fp8> a) {
   static_assert(M <= 8, "x rows are the mma's 8 columns");
   constexpr bool kPaired = E == Epilogue::kSiluMul || E == Epilogue::kRopeKV;
   constexpr int kCols = kPaired ? 8 : 16;  // output columns per tile
+  constexpr int kStride = 4 * W;           // 16-byte chunks from one of a warp's steps to its next
   extern __shared__ uint4 xs[];            // [M][K] of T, then [M][K] E4M3 bytes
   __shared__ float partial[W][M];
-  __shared__ float sums[W][32][kGemvFp8MaxTiles * 4];
+  __shared__ float sums[W][kGemvFp8MaxTiles * 4][32];  // lane-major: no bank conflicts
   launch_dependents();
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int g = lane / 4, t = lane % 4;
@@ -435,72 +440,69 @@ __global__ void __launch_bounds__(W * 32) gemv_fp8_kernel(const GemvArgs<T, Fp8>
   const int hd = a.rope.head_dim;
   const int kv = a.k_in / 16;  // 16-byte weight chunks per row
   const int steps = a.k_in / 64;
-  // This warp's steps of each tile: warp, warp + W, ...
-  const int my_steps = steps > warp ? (steps - warp + W - 1) / W : 0;
-  const int total = tiles * my_steps;
+  const int my_steps = steps > warp ? (steps - warp + W - 1) / W : 0;  // warp, warp + W, ...
   // Weight rows of tile tt (clamped into range; columns past n_out are not written).
   auto rows_of = [&](int tt, int& ra, int& rb) {
     const int c0 = c_first + tt * kCols;
     ra = weight_row<E>(c0 + g, 0, a.n_out, hd);
     rb = kPaired ? weight_row<E>(c0 + g, 1, a.n_out, hd) : weight_row<E>(c0 + 8 + g, 0, a.n_out, hd);
   };
-  const uint4* w = reinterpret_cast<const uint4*>(a.w) + t;
+  const uint4* w = reinterpret_cast<const uint4*>(a.w) + t + 4 * warp;
+  const uint4 *pa, *pb;  // this warp's next load of the tile's two rows
   uint4 va[kFp8Steps], vb[kFp8Steps];
-  auto load = [&](int first) {
+  auto start_tile = [&](int tt) {
+    int ra, rb;
+    rows_of(tt, ra, rb);
+    pa = w + static_cast<std::int64_t>(ra) * kv;
+    pb = w + static_cast<std::int64_t>(rb) * kv;
 #pragma unroll
     for (int u = 0; u < kFp8Steps; ++u) {
-      const int i = first + u;
-      if (i < total) {
-        const int tt = i / my_steps, s = warp + W * (i - tt * my_steps);
-        int ra, rb;
-        rows_of(tt, ra, rb);
-        va[u] = load_stream(w + static_cast<std::int64_t>(ra) * kv + 4 * s);
-        vb[u] = load_stream(w + static_cast<std::int64_t>(rb) * kv + 4 * s);
-      } else {
-        va[u] = vb[u] = make_uint4(0, 0, 0, 0);
+      if (u < my_steps) {
+        va[u] = load_stream(pa);
+        vb[u] = load_stream(pb);
+        pa += kStride;
+        pb += kStride;
       }
     }
   };
-  int first = 0;
-  load(first);  // independent of the previous kernel
+  start_tile(0);  // independent of the previous kernel
 
   grid_dependency_wait();
   stage_x<T, Fp8, M, W, P>(a, xs, partial);
   uint2* xq8 = reinterpret_cast<uint2*>(xs + M * (a.k_in / 8));
   float sx[M];
   quantize_staged<T, M, W>(xs, xq8, a.k_in, partial, sx);
-  const uint4* xq = reinterpret_cast<const uint4*>(xq8) + g * kv + t;
+  const uint4* xq = reinterpret_cast<const uint4*>(xq8) + g * kv + t + 4 * warp;
 
-  float acc[kGemvFp8MaxTiles][4];
 #pragma unroll
-  for (int k = 0; k < kGemvFp8MaxTiles; ++k)
+  for (int k = 0; k < kGemvFp8MaxTiles; ++k) {
+    if (k >= tiles) break;
+    if (k > 0) start_tile(k);
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    const uint4* xk = xq;
+    for (int j0 = 0; j0 < my_steps; j0 += kFp8Steps) {
 #pragma unroll
-    for (int j = 0; j < 4; ++j) acc[k][j] = 0.0f;
-  while (first < total) {
+      for (int u = 0; u < kFp8Steps; ++u) {
+        if (j0 + u < my_steps) {  // the same for the whole warp
+          const uint4 b = g < M ? *xk : make_uint4(0, 0, 0, 0);
+          xk += kStride;
+          float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+          mma_e4m3(d, va[u].x, vb[u].x, va[u].y, vb[u].y, b.x, b.y);
+          mma_e4m3(d, va[u].z, vb[u].z, va[u].w, vb[u].w, b.z, b.w);
 #pragma unroll
-    for (int u = 0; u < kFp8Steps; ++u) {
-      const int i = first + u;
-      if (i < total) {  // the same for the whole warp
-        const int tt = i / my_steps, s = warp + W * (i - tt * my_steps);
-        const uint4 b = g < M ? xq[4 * s] : make_uint4(0, 0, 0, 0);
-        float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        mma_e4m3(d, va[u].x, vb[u].x, va[u].y, vb[u].y, b.x, b.y);
-        mma_e4m3(d, va[u].z, vb[u].z, va[u].w, vb[u].w, b.z, b.w);
-#pragma unroll
-        for (int k = 0; k < kGemvFp8MaxTiles; ++k)  // registers: no dynamic index
-          if (k == tt) {
-#pragma unroll
-            for (int j = 0; j < 4; ++j) acc[k][j] += d[j];
+          for (int j = 0; j < 4; ++j) acc[j] += d[j];
+          if (j0 + u + kFp8Steps < my_steps) {
+            va[u] = load_stream(pa);
+            vb[u] = load_stream(pb);
+            pa += kStride;
+            pb += kStride;
           }
+        }
       }
     }
-    first += kFp8Steps;
-    if (first < total) load(first);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) sums[warp][4 * k + j][lane] = acc[j];
   }
-#pragma unroll
-  for (int k = 0; k < kGemvFp8MaxTiles; ++k)
-#pragma unroll
-    for (int j = 0; j < 4; ++j) sums[warp][lane][4 * k + j] = acc[k][j];
   __syncthreads();
   if (warp != 0) return;
 #pragma unroll
@@ -514,7 +516,7 @@ __global__ void __launch_bounds__(W * 32) gemv_fp8_kernel(const GemvArgs<T, Fp8>
     for (int j = 0; j < 4; ++j) {
       v[j] = 0.0f;
 #pragma unroll
-      for (int w8 = 0; w8 < W; ++w8) v[j] += sums[w8][lane][4 * k + j];
+      for (int w8 = 0; w8 < W; ++w8) v[j] += sums[w8][4 * k + j][lane];
     }
     const float wsa = __ldg(a.w_scale + ra), wsb = __ldg(a.w_scale + rb);
 #pragma unroll
@@ -593,7 +595,12 @@ void launch_gemv(const GemvArgs<T, TW>& a, cudaStream_t s) {
     require(static_cast<std::int64_t>(M) * a.k_in * (sizeof(T) + 1) <= kGemvFp8SmemBytes,
             "gemv: FP8 weights need rows * K * 3 <= " + std::to_string(kGemvFp8SmemBytes) +
                 " bytes");
-    if (a.k_in > 8192) return launch_gemv_fp8_w<T, M, 8, P, E>(a, s);
+    // Eight warps where the grid would not fill the GPU's block slots at
+    // four (o, qkv, down: 256-384 tiles), so that as many loads are in
+    // flight; and for long rows, so that one staged x serves twice the rows.
+    constexpr bool kPaired = E == Epilogue::kSiluMul || E == Epilogue::kRopeKV;
+    const int tiles = (a.n_out + (kPaired ? 8 : 16) - 1) / (kPaired ? 8 : 16);
+    if (a.k_in > 8192 || tiles < 4 * sm_count()) return launch_gemv_fp8_w<T, M, 8, P, E>(a, s);
     return launch_gemv_fp8_w<T, M, 4, P, E>(a, s);
   } else {
     const bool smem_x = static_cast<std::int64_t>(M) * a.k_in * sizeof(T) <= kGemvSmemBytes;

@@ -165,7 +165,7 @@ void gemm_invariant(std::uintptr_t y, std::uintptr_t x, std::uintptr_t w, std::i
 // apart, 16-byte aligned; hidden a multiple of 8), after rms_norm(x,
 // norm_weight, eps) when norm_weight != 0 (exactly rms_norm's result): scale
 // [rows] float32 = max(amax(row) / 448, 1e-12), q [rows, hidden] E4M3 =
-// round-to-nearest-even(row / scale), saturating. The input of an FP8 GEMM.
+// round-to-nearest-even(row * (1 / scale)), saturating. The input of an FP8 GEMM.
 void quantize_fp8(std::uintptr_t q, std::uintptr_t scale, std::uintptr_t x, std::int64_t x_stride,
                   std::uintptr_t norm_weight, std::int64_t rows, std::int64_t hidden, float eps,
                   DType dtype, std::uintptr_t stream);

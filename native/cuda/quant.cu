@@ -5,7 +5,7 @@
 // The norm is rms_norm's exactly (the same per-thread order and block
 // reduction, the same two roundings), so the result equals rms_norm followed
 // by the reference's quantize_rows bit for bit: scale = amax * (1/448) (at least
-// 1e-12), q = e4m3(y / scale) rounded to nearest even, saturating.
+// 1e-12), q = e4m3(y * (1 / scale)) rounded to nearest even, saturating.
 #include "common.cuh"
 
 namespace turbomq {
@@ -67,13 +67,11 @@ quantize_fp8_kernel(__nv_fp8_e4m3* __restrict__ q, float* __restrict__ scale,
   }
   const float s = fp8_scale(block_reduce(amax, true));
   if (threadIdx.x == 0) scale[row] = s;
+  const float s_inv = __frcp_rn(s);
   for (int i = threadIdx.x; i < nvec; i += kThreads) {
     float f[8];
     normalized8<T>(xr, weight, inv, i, f);
-    __nv_fp8_e4m3 out[8];
-#pragma unroll
-    for (int e = 0; e < 8; ++e) out[e] = __nv_fp8_e4m3(__fdiv_rn(f[e], s));  // as fp8_round
-    *reinterpret_cast<uint2*>(q + row * hidden + 8 * i) = *reinterpret_cast<const uint2*>(out);
+    *reinterpret_cast<uint2*>(q + row * hidden + 8 * i) = fp8_pack8(f, s_inv);
   }
 }
 

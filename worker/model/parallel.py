@@ -31,10 +31,13 @@ from .ops import cuda as cuda_ops
 # A rank that waits longer than this on a collective gives up: a peer died.
 COLLECTIVE_TIMEOUT = timedelta(seconds=120)
 
-# All-reduces of at most this many bytes (decode's rows: 8 KiB a row at 4096
-# wide) go through peer memory in one kernel; larger ones (prefill) through
-# NCCL. TURBOMQ_PEER_ALL_REDUCE_BYTES overrides; 0 turns it off.
-PEER_ALL_REDUCE_BYTES_DEFAULT = 1 << 20
+# All-reduces of at most this many bytes (8 KiB a row at 4096 wide: decode
+# batches and prefill chunks up to 1024 rows) go through peer memory in one
+# kernel; larger ones through NCCL. The peer kernel is faster up to there on
+# 2 x H200 (docs/benchmarks/all_reduce.md: 40.7 against 58.4 us at 1024
+# rows). Every rank's buffer holds two halves of this per rank.
+# TURBOMQ_PEER_ALL_REDUCE_BYTES overrides; 0 turns it off.
+PEER_ALL_REDUCE_BYTES_DEFAULT = 8 << 20
 PEER_ALL_REDUCE_BYTES = int(os.environ.get("TURBOMQ_PEER_ALL_REDUCE_BYTES",
                                            str(PEER_ALL_REDUCE_BYTES_DEFAULT)))
 # Each rank pushes its partial sums into every peer's buffer (1, the

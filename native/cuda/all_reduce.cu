@@ -12,9 +12,15 @@
 // whatever the grid. The residual add of the projection it completes is
 // fused (out = residual + round(sum)), rounded as the separate add rounds.
 //
-// The buffers' layout, and the call counter that CUDA graphs replay with,
-// are peer_sum.cuh's (shared with the GEMV's fused push and sum).
-//
+// Layout of each rank's buffer (zeroed at allocation): the flags peers set
+// at the barrier ([block][rank] uint32), this rank's call counter and block
+// count (read only by this rank), then two data halves of one `capacity`
+// byte slot per rank. Call n uses half n % 2: a rank can only start call
+// n + 2 after every peer has arrived at call n + 1, i.e. finished call n
+// (kernels on one stream run in order), so no peer still reads or writes
+// that half. The counter lives on the device so that CUDA graphs replay the
+// kernel with fresh flags; the last block of a call to finish advances it
+// (every block has read it by then).
 // Launched as a programmatic dependent (where programmatic_launch() is on),
 // it waits for the projection before anything else and lets the next
 // kernel start at once, so the next GEMV fetches its weights while this one
@@ -22,13 +28,20 @@
 #include <algorithm>
 #include <cstring>
 
-#include "peer_sum.cuh"
+#include "common.cuh"
 
 namespace turbomq {
 namespace cuda {
 namespace {
 
 constexpr int kThreads = 512;
+
+struct Header {
+  std::uint32_t flags[kAllReduceMaxBlocks][kAllReduceMaxRanks];
+  std::uint32_t counter;
+  std::uint32_t blocks_done;
+};
+constexpr std::size_t kDataOffset = (sizeof(Header) + 255) / 256 * 256;
 
 struct AllReduceArgs {
   char* buffers[kAllReduceMaxRanks];  // every rank's buffer, mapped here
@@ -40,18 +53,35 @@ struct AllReduceArgs {
   int rank, ranks;
 };
 
+__device__ __forceinline__ void store_release(std::uint32_t* p, std::uint32_t v) {
+  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ std::uint32_t load_acquire(const std::uint32_t* p) {
+  std::uint32_t v;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+template <typename T>
+__device__ __forceinline__ void add8(float* acc, const uint4& v) {
+  float f[8];
+  unpack8<T>(v, f);
+#pragma unroll
+  for (int e = 0; e < 8; ++e) acc[e] += f[e];
+}
+
 template <typename T, int R, bool kPush>
 __global__ void __launch_bounds__(kThreads) all_reduce_kernel(const AllReduceArgs a) {
   grid_dependency_wait();  // the input, the residual and the last call's counter
   launch_dependents();
-  PeerHeader* self = reinterpret_cast<PeerHeader*>(a.buffers[a.rank]);
+  Header* self = reinterpret_cast<Header*>(a.buffers[a.rank]);
   const std::uint32_t call = *reinterpret_cast<volatile std::uint32_t*>(&self->counter) + 1;
   const std::int64_t half = static_cast<std::int64_t>(call & 1) * R * a.capacity;
   const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * kThreads;
   const std::int64_t first = static_cast<std::int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   // Slot s of rank b's buffer in this call's half.
   auto slot = [&](int b, int s) {
-    return reinterpret_cast<uint4*>(a.buffers[b] + kPeerDataOffset + half + s * a.capacity);
+    return reinterpret_cast<uint4*>(a.buffers[b] + kDataOffset + half + s * a.capacity);
   };
   // Each block copies and later reduces the same vectors on every rank, so
   // it needs only the same block of each peer at the barrier.
@@ -66,7 +96,7 @@ __global__ void __launch_bounds__(kThreads) all_reduce_kernel(const AllReduceArg
   }
   __syncthreads();
   if (threadIdx.x < R) {
-    PeerHeader* peer = reinterpret_cast<PeerHeader*>(a.buffers[threadIdx.x]);
+    Header* peer = reinterpret_cast<Header*>(a.buffers[threadIdx.x]);
     store_release(&peer->flags[blockIdx.x][a.rank], call);
     while (load_acquire(&self->flags[blockIdx.x][threadIdx.x]) < call) {
     }
@@ -122,7 +152,7 @@ void set_all_reduce_push(bool on) { g_push = on; }
 bool all_reduce_push() { return g_push; }
 
 std::size_t all_reduce_buffer_bytes(std::int64_t capacity, int ranks) {
-  return kPeerDataOffset + 2 * static_cast<std::size_t>(ranks) * static_cast<std::size_t>(capacity);
+  return kDataOffset + 2 * static_cast<std::size_t>(ranks) * static_cast<std::size_t>(capacity);
 }
 
 std::uintptr_t all_reduce_buffer_alloc(std::int64_t capacity, int ranks) {

@@ -70,21 +70,16 @@ void bind_cuda(py::module_& parent) {
   py::enum_<cuda::GemvEpilogue>(m, "GemvEpilogue")
       .value("STORE", cuda::GemvEpilogue::kStore)
       .value("ADD_INTO", cuda::GemvEpilogue::kAddInto)
-      .value("SILU_MUL", cuda::GemvEpilogue::kSiluMul)
-      .value("PUSH", cuda::GemvEpilogue::kPush);
+      .value("SILU_MUL", cuda::GemvEpilogue::kSiluMul);
   m.def("gemv", &cuda::gemv, py::arg("y"), py::arg("x"), py::arg("w"), py::arg("rows"),
         py::arg("n_out"), py::arg("k_in"), py::arg("dtype"), py::arg("stream"),
         py::arg("norm_weight") = 0, py::arg("eps") = 0.0f,
-        py::arg("epilogue") = cuda::GemvEpilogue::kStore, py::arg("w_scale") = 0,
-        py::arg("peer_buffers") = std::vector<std::uintptr_t>{}, py::arg("peer_rank") = 0,
-        py::arg("peer_capacity") = 0, py::arg("residual_out") = 0);
+        py::arg("epilogue") = cuda::GemvEpilogue::kStore, py::arg("w_scale") = 0);
   m.def("gemv_qkv_rope", &cuda::gemv_qkv_rope, py::arg("q_out"), py::arg("x"), py::arg("w"),
         py::arg("rows"), py::arg("k_in"), py::arg("norm_weight"), py::arg("eps"),
         py::arg("positions"), py::arg("cos_sin"), py::arg("slot_mapping"), py::arg("k_cache"),
         py::arg("v_cache"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"),
-        py::arg("block_size"), py::arg("dtype"), py::arg("stream"), py::arg("w_scale") = 0,
-        py::arg("peer_buffers") = std::vector<std::uintptr_t>{}, py::arg("peer_rank") = 0,
-        py::arg("peer_capacity") = 0, py::arg("residual_out") = 0);
+        py::arg("block_size"), py::arg("dtype"), py::arg("stream"), py::arg("w_scale") = 0);
 
   m.attr("GEMM_INVARIANT_CHUNK") = cuda::kGemmInvariantChunk;
   m.attr("GEMM_INVARIANT_SPLIT_MAX_ROWS") = cuda::kGemmInvariantSplitMaxRows;

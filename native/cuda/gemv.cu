@@ -25,7 +25,7 @@
 #include <algorithm>
 #include <type_traits>
 
-#include "peer_sum.cuh"
+#include "common.cuh"
 
 namespace turbomq {
 namespace cuda {
@@ -84,14 +84,8 @@ __device__ __forceinline__ void load_weights(uint4 (&wv)[kU][R], const uint4* co
 // (the gate/up projection fused with silu_mul), or, for the qkv projection,
 // pair rows j and j + d/2 of each head, rotate q and k and store q, and k and
 // v into the paged cache (rotary_write_kv fused in, 16-bit caches).
-// Under tensor parallelism (peer_sum.cuh) the o and down projections may
-// push their partial sums to every rank's buffer instead of storing them
-// (kPush), and the projection after each, in its prologue, wait for all
-// ranks' pushes and stage x = residual + (their sum), rounded as the
-// all-reduce kernel rounds, writing that new residual from its first block
-// (kPeerSumNorm; then the norm): the all-reduce without its own launch.
-enum class Prologue { kNone, kRmsNorm, kPeerSumNorm };
-enum class Epilogue { kStore, kAddInto, kSiluMul, kRopeKV, kPush };
+enum class Prologue { kNone, kRmsNorm };
+enum class Epilogue { kStore, kAddInto, kSiluMul, kRopeKV };
 
 // kRopeKV: where the rotated heads go.
 struct RopeKV {
@@ -115,8 +109,6 @@ struct GemvArgs {
   float eps;
   RopeKV rope;  // kRopeKV; y is q [rows, num_heads, d]
   int tiles_per_block = 1;  // FP8: 16-row tiles per block (set by the launcher)
-  PeerLink peer{};          // kPush, kPeerSumNorm
-  T* residual_out = nullptr;  // kPeerSumNorm: x (the residual) + the ranks' sum
 };
 
 // Rows j and j + d/2 of one head: the rotation pair p.
@@ -136,31 +128,9 @@ __device__ __forceinline__ void stage_x(const GemvArgs<T, TW>& a, uint4* xs,
   const int lane = threadIdx.x % 32;
   const int kxv = a.k_in / 8;  // 8-value x vectors per row
   const uint4* xv = reinterpret_cast<const uint4*>(a.x);
-  if constexpr (P == Prologue::kPeerSumNorm) {
-    // x = residual + round(the ranks' partial sums, added in rank order in
-    // fp32): all_reduce_kernel's numbers. Every block stages it; the first
-    // also writes it out as the new residual.
-    const std::uint32_t call = peer_call(a.peer);
-    peer_wait_pushes(a.peer, call);
-    uint4* out = reinterpret_cast<uint4*>(a.residual_out);
-    for (int i = threadIdx.x; i < M * kxv; i += kThreads) {
-      float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-      for (int r = 0; r < a.peer.ranks; ++r) {
-        add8<T>(acc, __ldcg(reinterpret_cast<const uint4*>(peer_slot(a.peer, a.peer.rank, r, call)) + i));
-      }
-      float res[8];
-      unpack8<T>(__ldcg(xv + i), res);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) acc[e] = round_to<T>(acc[e]) + res[e];
-      xs[i] = pack8<T>(acc);
-      if (blockIdx.x == 0) out[i] = xs[i];
-    }
-    peer_complete_call(a.peer, call);  // this block is done with the slots
-  } else {
-    for (int i = threadIdx.x; i < M * kxv; i += kThreads) xs[i] = __ldcg(xv + i);
-  }
+  for (int i = threadIdx.x; i < M * kxv; i += kThreads) xs[i] = __ldcg(xv + i);
   __syncthreads();
-  if constexpr (P != Prologue::kNone) {
+  if constexpr (P == Prologue::kRmsNorm) {
     // x[m] <- norm_w * to_T(x[m] * rsqrt(mean(x[m]^2) + eps)), as rms_norm.
     float ss[M];
 #pragma unroll
@@ -206,14 +176,8 @@ __device__ __forceinline__ void stage_x(const GemvArgs<T, TW>& a, uint4* xs,
 // pair n).
 template <typename T, typename TW, Epilogue E>
 __device__ __forceinline__ void store_output(const GemvArgs<T, TW>& a, int m, int n, float v,
-                                             float v2, std::uint32_t call = 0) {
-  if constexpr (E == Epilogue::kPush) {
-    // This rank's slot of every rank's buffer, rounded as the plain store.
-    const T h = from_float<T>(v);
-    const std::int64_t at = static_cast<std::int64_t>(m) * a.n_out + n;
-    for (int r = 0; r < a.peer.ranks; ++r)
-      reinterpret_cast<T*>(peer_slot(a.peer, r, a.peer.rank, call))[at] = h;
-  } else if constexpr (E == Epilogue::kRopeKV) {
+                                             float v2) {
+  if constexpr (E == Epilogue::kRopeKV) {
     // Rotated as rotary does (products and sum rounded apart), stored as
     // rotary_write_kv would.
     const RopeKV& rp = a.rope;
@@ -296,8 +260,6 @@ __global__ void __launch_bounds__(W * 32) gemv_kernel(const GemvArgs<T, T> a) {
   load_weights<kU, R>(wv, wr, base, kv);  // independent of the previous kernel
 
   grid_dependency_wait();
-  std::uint32_t call = 0;  // kPush: the peer call this projection's sums go to
-  if constexpr (E == Epilogue::kPush) call = peer_call(a.peer);
   const uint4* xv = reinterpret_cast<const uint4*>(a.x);
   if constexpr (kSmemX) stage_x<T, T, M, W, P>(a, xs, partial);
 
@@ -340,17 +302,14 @@ __global__ void __launch_bounds__(W * 32) gemv_kernel(const GemvArgs<T, T> a) {
 #pragma unroll
   for (int m = 0; m < M; ++m) {
     if constexpr (kPaired) {
-      if (lane == m && n0 < a.n_out) store_output<T, T, E>(a, m, n0, acc[m][0], acc[m][1], call);
+      if (lane == m && n0 < a.n_out) store_output<T, T, E>(a, m, n0, acc[m][0], acc[m][1]);
     } else {
 #pragma unroll
       for (int r = 0; r < R; ++r) {
-        if (lane == m * R + r && n0 + r < a.n_out) {
-          store_output<T, T, E>(a, m, n0 + r, acc[m][r], 0.0f, call);
-        }
+        if (lane == m * R + r && n0 + r < a.n_out) store_output<T, T, E>(a, m, n0 + r, acc[m][r], 0.0f);
       }
     }
   }
-  if constexpr (E == Epilogue::kPush) peer_signal_push(a.peer, call);
 }
 
 // ------------------------------------------------------------ FP8 weights
@@ -638,39 +597,19 @@ void dispatch_rows(const GemvArgs<T, TW>& a, int m, cudaStream_t s) {
   }
 }
 
-// The peer forms take 16-bit weights only: the sum before the o and
-// gate/up projections' store or silu_mul, the push without a norm.
 template <typename T, typename TW, Prologue P>
 void dispatch_epilogue(const GemvArgs<T, TW>& a, int m, GemvEpilogue epilogue, cudaStream_t s) {
-  constexpr bool k16 = !std::is_same_v<TW, Fp8>;
-  if constexpr (P == Prologue::kPeerSumNorm) {
-    if constexpr (k16) {
-      if (epilogue == GemvEpilogue::kStore) return dispatch_rows<T, TW, P, Epilogue::kStore>(a, m, s);
-      if (epilogue == GemvEpilogue::kSiluMul) {
-        return dispatch_rows<T, TW, P, Epilogue::kSiluMul>(a, m, s);
-      }
-    }
-    require(false, "gemv: the peer sum takes 16-bit weights and a store or silu_mul behind");
-  } else {
-    switch (epilogue) {
-      case GemvEpilogue::kStore: return dispatch_rows<T, TW, P, Epilogue::kStore>(a, m, s);
-      case GemvEpilogue::kAddInto: return dispatch_rows<T, TW, P, Epilogue::kAddInto>(a, m, s);
-      case GemvEpilogue::kSiluMul: return dispatch_rows<T, TW, P, Epilogue::kSiluMul>(a, m, s);
-      case GemvEpilogue::kPush:
-        if constexpr (k16 && P == Prologue::kNone) {
-          return dispatch_rows<T, TW, P, Epilogue::kPush>(a, m, s);
-        }
-        require(false, "gemv: the push takes 16-bit weights and no norm in front");
-    }
+  switch (epilogue) {
+    case GemvEpilogue::kStore: return dispatch_rows<T, TW, P, Epilogue::kStore>(a, m, s);
+    case GemvEpilogue::kAddInto: return dispatch_rows<T, TW, P, Epilogue::kAddInto>(a, m, s);
+    case GemvEpilogue::kSiluMul: return dispatch_rows<T, TW, P, Epilogue::kSiluMul>(a, m, s);
   }
 }
 
 template <typename T, typename TW>
 void dispatch_gemv(const GemvArgs<T, TW>& a, int m, bool norm, GemvEpilogue epilogue,
                    cudaStream_t s) {
-  if (a.residual_out != nullptr) {
-    dispatch_epilogue<T, TW, Prologue::kPeerSumNorm>(a, m, epilogue, s);
-  } else if (norm) {
+  if (norm) {
     dispatch_epilogue<T, TW, Prologue::kRmsNorm>(a, m, epilogue, s);
   } else {
     dispatch_epilogue<T, TW, Prologue::kNone>(a, m, epilogue, s);
@@ -704,18 +643,14 @@ void check_gemv_args(std::uintptr_t x, std::uintptr_t w, std::int64_t rows, std:
 template <typename F>
 void with_gemv_args(DType dtype, std::uintptr_t y, std::uintptr_t x, std::uintptr_t w,
                     std::uintptr_t w_scale, std::int64_t n_out, std::int64_t k_in,
-                    std::uintptr_t norm_weight, float eps, const RopeKV& rope,
-                    const PeerLink& peer, std::uintptr_t residual_out, F&& f) {
+                    std::uintptr_t norm_weight, float eps, const RopeKV& rope, F&& f) {
   auto run = [&](auto tag, auto weight_tag) {
     using T = decltype(tag);
     using TW = decltype(weight_tag);
-    GemvArgs<T, TW> a{reinterpret_cast<T*>(y), reinterpret_cast<const T*>(x),
+    f(GemvArgs<T, TW>{reinterpret_cast<T*>(y), reinterpret_cast<const T*>(x),
                       reinterpret_cast<const TW*>(w), reinterpret_cast<const float*>(w_scale),
                       static_cast<int>(n_out), static_cast<int>(k_in),
-                      reinterpret_cast<const T*>(norm_weight), eps, rope};
-    a.peer = peer;
-    a.residual_out = reinterpret_cast<T*>(residual_out);
-    f(a);
+                      reinterpret_cast<const T*>(norm_weight), eps, rope});
   };
   if (dtype == DType::kF16) {
     if (w_scale != 0) return run(__half{}, __nv_fp8_e4m3{});
@@ -726,45 +661,14 @@ void with_gemv_args(DType dtype, std::uintptr_t y, std::uintptr_t x, std::uintpt
   }
 }
 
-// The peer link of a push or a sum (none where `buffers` is empty), checked:
-// `message` bytes (the rows of the pushed output, or of the summed x) fit
-// one slot, and a sum has its norm and residual output.
-PeerLink peer_link(const std::vector<std::uintptr_t>& buffers, int rank, std::int64_t capacity,
-                   std::int64_t message, bool push, std::uintptr_t residual_out,
-                   std::uintptr_t norm_weight) {
-  PeerLink l{};
-  const bool sum = residual_out != 0;
-  require(buffers.empty() == !(push || sum),
-          "gemv: the peer buffers go with a push or a residual output, and only then");
-  if (buffers.empty()) return l;
-  require(!(push && sum), "gemv: a push or a sum, not both");
-  const int ranks = static_cast<int>(buffers.size());
-  require(ranks >= 2 && ranks <= kAllReduceMaxRanks && rank >= 0 && rank < ranks,
-          "gemv: bad rank or number of ranks");
-  require(message <= capacity && capacity % 16 == 0, "gemv: the message exceeds a peer slot");
-  require(!sum || (norm_weight != 0 && residual_out % 16 == 0),
-          "gemv: the peer sum needs the norm weight and a 16-byte aligned residual output");
-  for (int r = 0; r < ranks; ++r) l.buffers[r] = reinterpret_cast<char*>(buffers[r]);
-  l.capacity = capacity;
-  l.rank = rank;
-  l.ranks = ranks;
-  return l;
-}
-
 }  // namespace
 
 void gemv(std::uintptr_t y, std::uintptr_t x, std::uintptr_t w, std::int64_t rows,
           std::int64_t n_out, std::int64_t k_in, DType dtype, std::uintptr_t stream,
-          std::uintptr_t norm_weight, float eps, GemvEpilogue epilogue, std::uintptr_t w_scale,
-          const std::vector<std::uintptr_t>& peer_buffers, int peer_rank,
-          std::int64_t peer_capacity, std::uintptr_t residual_out) {
+          std::uintptr_t norm_weight, float eps, GemvEpilogue epilogue, std::uintptr_t w_scale) {
   check_gemv_args(x, w, rows, n_out, k_in, dtype, norm_weight, w_scale);
-  const bool push = epilogue == GemvEpilogue::kPush;
-  const PeerLink peer = peer_link(peer_buffers, peer_rank, peer_capacity,
-                                  rows * (push ? n_out : k_in) * 2, push, residual_out,
-                                  norm_weight);
-  with_gemv_args(dtype, y, x, w, w_scale, n_out, k_in, norm_weight, eps, RopeKV{}, peer,
-                 residual_out, [&](const auto& a) {
+  with_gemv_args(dtype, y, x, w, w_scale, n_out, k_in, norm_weight, eps, RopeKV{},
+                 [&](const auto& a) {
                    dispatch_gemv(a, static_cast<int>(rows), norm_weight != 0, epilogue,
                                  as_stream(stream));
                  });
@@ -775,9 +679,7 @@ void gemv_qkv_rope(std::uintptr_t q_out, std::uintptr_t x, std::uintptr_t w, std
                    std::uintptr_t positions, std::uintptr_t cos_sin, std::uintptr_t slot_mapping,
                    std::uintptr_t k_cache, std::uintptr_t v_cache, int num_heads,
                    int num_kv_heads, int head_dim, int block_size, DType dtype,
-                   std::uintptr_t stream, std::uintptr_t w_scale,
-                   const std::vector<std::uintptr_t>& peer_buffers, int peer_rank,
-                   std::int64_t peer_capacity, std::uintptr_t residual_out) {
+                   std::uintptr_t stream, std::uintptr_t w_scale) {
   require(norm_weight != 0, "gemv_qkv_rope: takes the norm weight");
   require(rows <= kGemvMaxFusedRows, "gemv_qkv_rope: at most 4 rows");
   require(head_dim % 2 == 0 && block_size > 0, "gemv_qkv_rope: bad head_dim or block_size");
@@ -788,23 +690,12 @@ void gemv_qkv_rope(std::uintptr_t q_out, std::uintptr_t x, std::uintptr_t w, std
                     reinterpret_cast<const std::int64_t*>(slot_mapping),
                     reinterpret_cast<void*>(k_cache), reinterpret_cast<void*>(v_cache),
                     num_heads, num_kv_heads, head_dim, block_size};
-  const PeerLink peer = peer_link(peer_buffers, peer_rank, peer_capacity, rows * k_in * 2, false,
-                                  residual_out, norm_weight);
-  with_gemv_args(dtype, q_out, x, w, w_scale, pairs, k_in, norm_weight, eps, rope, peer,
-                 residual_out, [&](const auto& a) {
+  with_gemv_args(dtype, q_out, x, w, w_scale, pairs, k_in, norm_weight, eps, rope,
+                 [&](const auto& a) {
                    using T = std::remove_const_t<std::remove_pointer_t<decltype(a.x)>>;
                    using TW = std::remove_const_t<std::remove_pointer_t<decltype(a.w)>>;
-                   const int m = static_cast<int>(rows);
-                   if (residual_out == 0) {
-                     return dispatch_rows<T, TW, Prologue::kRmsNorm, Epilogue::kRopeKV>(
-                         a, m, as_stream(stream));
-                   }
-                   if constexpr (std::is_same_v<TW, Fp8>) {
-                     require(false, "gemv_qkv_rope: the peer sum takes 16-bit weights");
-                   } else {
-                     dispatch_rows<T, TW, Prologue::kPeerSumNorm, Epilogue::kRopeKV>(
-                         a, m, as_stream(stream));
-                   }
+                   dispatch_rows<T, TW, Prologue::kRmsNorm, Epilogue::kRopeKV>(
+                       a, static_cast<int>(rows), as_stream(stream));
                  });
 }
 

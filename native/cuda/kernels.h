@@ -85,15 +85,13 @@ constexpr int kGemvFp8SmemBytes = 192 * 1024;  // FP8: x and its E4M3 copy
 // default), so that one x prologue serves more weights; see gemv.cu.
 constexpr int kGemvFp8MaxTiles = 4;
 void set_fp8_gemv_max_tiles(int tiles);
-enum class GemvEpilogue : int { kStore = 0, kAddInto = 1, kSiluMul = 2, kPush = 3 };
+enum class GemvEpilogue : int { kStore = 0, kAddInto = 1, kSiluMul = 2 };
 void set_programmatic_launch(bool on);
 bool programmatic_launch();
 void gemv(std::uintptr_t y, std::uintptr_t x, std::uintptr_t w, std::int64_t rows,
           std::int64_t n_out, std::int64_t k_in, DType dtype, std::uintptr_t stream,
           std::uintptr_t norm_weight = 0, float eps = 0.0f,
-          GemvEpilogue epilogue = GemvEpilogue::kStore, std::uintptr_t w_scale = 0,
-          const std::vector<std::uintptr_t>& peer_buffers = {}, int peer_rank = 0,
-          std::int64_t peer_capacity = 0, std::uintptr_t residual_out = 0);
+          GemvEpilogue epilogue = GemvEpilogue::kStore, std::uintptr_t w_scale = 0);
 
 // The qkv projection of decode at 1-4 rows with rms_norm in front and
 // rotary_write_kv behind, in one launch: w [(nh + 2 nkv) * d, K]; q_out
@@ -105,9 +103,7 @@ void gemv_qkv_rope(std::uintptr_t q_out, std::uintptr_t x, std::uintptr_t w, std
                    std::uintptr_t positions, std::uintptr_t cos_sin, std::uintptr_t slot_mapping,
                    std::uintptr_t k_cache, std::uintptr_t v_cache, int num_heads,
                    int num_kv_heads, int head_dim, int block_size, DType dtype,
-                   std::uintptr_t stream, std::uintptr_t w_scale = 0,
-                   const std::vector<std::uintptr_t>& peer_buffers = {}, int peer_rank = 0,
-                   std::int64_t peer_capacity = 0, std::uintptr_t residual_out = 0);
+                   std::uintptr_t stream, std::uintptr_t w_scale = 0);
 
 // Batch-invariant GEMM (deterministic mode): y [rows, N] = x [rows, K] @
 // w[N, K]^T, fp32 accumulation, one rounding to the dtype, such that row m

@@ -102,62 +102,25 @@ class LlamaModel:
         (default: the last new token of every sequence), [N, vocab]."""
         cfg, ops = self.config, self.ops
         t = input_ids.shape[0]
-        # The residual stream, updated in place by the o and down projections
-        # (with the all-reduces fused into the GEMVs, replaced by each
-        # projection that sums the ranks' pushes); each norm is fused into
-        # the projection that reads it.
+        # The residual stream, updated in place by the o and down projections;
+        # each norm is fused into the projection that reads it.
         residual = self.embed[input_ids]
         eps = cfg.rms_norm_eps
-        peer = self._fused_peer(residual, kv)
-        pushed = False  # the last projection's partial sums wait in the peer buffers
-        for i, (layer, layer_kv) in enumerate(zip(self.layers, kv.layers)):
+        for layer, layer_kv in zip(self.layers, kv.layers):
             # norm, qkv projection, rotary, k and v into the pool
-            qkv = (layer["qkv"], (layer["attn_norm"], eps), batch.positions, self.cos_sin,
-                   layer_kv, batch.slot_mapping, self.num_heads)
-            if pushed:  # the ranks' sums of the last down projection first
-                summed = torch.empty_like(residual)
-                q = ops.qkv_rotary_write_kv(residual, *qkv, peer_sum=(peer, summed))
-                residual = summed
-            else:
-                q = ops.qkv_rotary_write_kv(residual, *qkv)
-            attn = ops.paged_attention(q, layer_kv, batch, self.scale).reshape(t, -1)
-            if peer is None:
-                self._project_into(residual, attn, layer["o"])
-                act = ops.linear(residual, layer["gate_up"], norm=(layer["mlp_norm"], eps),
-                                 silu=True)
-                self._project_into(residual, act, layer["down"])
-                continue
-            # The all-reduces in the GEMVs: each projection with a partial sum
-            # pushes it, the next one adds the ranks' sums to the residual.
-            ops.linear_push(attn, layer["o"], peer)
-            summed = torch.empty_like(residual)
-            act = ops.linear_summed(residual, layer["gate_up"], (layer["mlp_norm"], eps), peer,
-                                    summed, silu=True)
-            residual = summed
-            pushed = i + 1 < len(self.layers)
-            if pushed:
-                ops.linear_push(act, layer["down"], peer)
-            else:
-                self._project_into(residual, act, layer["down"])
+            q = ops.qkv_rotary_write_kv(residual, layer["qkv"], (layer["attn_norm"], eps),
+                                        batch.positions, self.cos_sin, layer_kv,
+                                        batch.slot_mapping, self.num_heads)
+            attn = ops.paged_attention(q, layer_kv, batch, self.scale)
+            self._project_into(residual, attn.reshape(t, -1), layer["o"])
+            act = ops.linear(residual, layer["gate_up"], norm=(layer["mlp_norm"], eps), silu=True)
+            self._project_into(residual, act, layer["down"])
         if logits_indices is None:
             logits_indices = (batch.cu_q_lens[1:] - 1).long()
         logits = ops.linear(residual[logits_indices], self.lm_head, norm=(self.norm, eps))
         if self.gather_logits:
             logits = self.tp.all_gather_columns(logits)
         return logits.float()
-
-    def _fused_peer(self, residual: torch.Tensor, kv: PagedKVCache):
-        """The peer all-reduce to fuse into this forward's GEMVs (ops/cuda.py,
-        PEER_FUSED), or None: the all-reduces run on their own."""
-        peer = self.tp.peer if self.tp is not None else None
-        fusable = getattr(self.ops, "peer_fusable", None)
-        if peer is None or fusable is None or self.quantization is not None:
-            return None
-        first = self.layers[0]
-        ok = fusable(residual, peer.capacity, first["qkv"],
-                     (first["attn_norm"], self.config.rms_norm_eps), self.cos_sin, kv.layers[0],
-                     self.num_heads)
-        return peer if ok else None
 
     def _project_into(self, residual: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
         """residual += x @ w.T; under tensor parallelism each rank holds a

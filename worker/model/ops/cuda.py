@@ -366,12 +366,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, *,
 def _run_gemv(x: torch.Tensor, rows: int, n_out: int, weight_ptr: int,
               norm: Optional[tuple[torch.Tensor, float]], silu: bool,
               residual: Optional[torch.Tensor], out: Optional[torch.Tensor] = None,
-              w_scale_ptr: int = 0, peer=None, residual_out: Optional[torch.Tensor] = None
-              ) -> Optional[torch.Tensor]:
+              w_scale_ptr: int = 0) -> torch.Tensor:
     """One GEMV launch over checked inputs: 16-bit weights, or E4M3 weights
-    with their scales at w_scale_ptr. With `peer`: the output pushed to the
-    ranks' peer buffers (returns None), or, with `residual_out`, x (the
-    residual) plus the ranks' pushed sums first (see linear_push)."""
+    with their scales at w_scale_ptr."""
     if silu and residual is not None:  # no single epilogue does both
         return residual.add_(_run_gemv(x, rows, n_out, weight_ptr, norm, True, None,
                                        w_scale_ptr=w_scale_ptr))
@@ -379,63 +376,46 @@ def _run_gemv(x: torch.Tensor, rows: int, n_out: int, weight_ptr: int,
     x2 = x.reshape(rows, k_in)
     if not x2.is_contiguous() or x2.data_ptr() % 16 != 0:
         x2 = x2.clone(memory_format=torch.contiguous_format)  # fresh, so aligned
-    push = peer is not None and residual_out is None
-    if push:
-        epilogue = _k.GemvEpilogue.PUSH
-    elif residual is not None:
+    if residual is not None:
         out, epilogue = residual, _k.GemvEpilogue.ADD_INTO
     else:
         epilogue = _k.GemvEpilogue.SILU_MUL if silu else _k.GemvEpilogue.STORE
         if out is None:
             out = torch.empty((*x.shape[:-1], n_out), dtype=x.dtype, device=x.device)
     with _on_device(x):
-        _k.gemv(0 if push else out.data_ptr(), x2.data_ptr(), weight_ptr, rows, n_out, k_in,
+        _k.gemv(out.data_ptr(), x2.data_ptr(), weight_ptr, rows, n_out, k_in,
                 _DTYPES[x.dtype], _stream(x), norm[0].data_ptr() if norm is not None else 0,
-                float(norm[1]) if norm is not None else 0.0, epilogue, w_scale_ptr,
-                **_peer_args(peer, residual_out))
-    return None if push else out
+                float(norm[1]) if norm is not None else 0.0, epilogue, w_scale_ptr)
+    return out
 
 
-def _qkv_fusable(x: torch.Tensor, weight, norm: tuple[torch.Tensor, float],
-                 cos_sin: torch.Tensor, kv: LayerKV, num_heads: int) -> bool:
-    """Whether qkv_rotary_write_kv runs as one GEMV launch."""
+def qkv_rotary_write_kv(x: torch.Tensor, weight: torch.Tensor, norm: tuple[torch.Tensor, float],
+                        positions: torch.Tensor, cos_sin: torch.Tensor, kv: LayerKV,
+                        slot_mapping: torch.Tensor, num_heads: int, *,
+                        out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """As reference.qkv_rotary_write_kv. At one row with a 16-bit pool (decode
+    at batch 1; FP8 weights: up to FP8_GEMV_MAX_ROWS rows) one GEMV launch does
+    it all: norm in front, rotary and the KV write behind. Otherwise linear()
+    then rotary_write_kv()."""
     t, k_in = x.shape
-    nkv, _, d = kv.k.shape[1:]
-    if isinstance(weight, Fp8Weight):
+    nkv, bs, d = kv.k.shape[1:]
+    fp8 = isinstance(weight, Fp8Weight)
+    if fp8:
         weight_ok = _fp8_gemv_ok(x, weight, t, norm)
     else:
         weight_ok = (FUSED_GEMV and 0 < t <= FUSED_GEMV_MAX_ROWS and _native_ok(x, weight)
                      and weight.dtype == x.dtype and weight.is_contiguous()
                      and weight.data_ptr() % 16 == 0 and t * k_in * 2 <= _k.GEMV_SMEM_BYTES
                      and k_in % 8 == 0)
-    return (weight_ok and _native_ok(x, kv.k)
-            and x.dtype in _HALF and kv.k.dtype == x.dtype
-            and norm[0].dtype == x.dtype and norm[0].is_contiguous()
-            and norm[0].data_ptr() % 16 == 0
-            and weight.shape == ((num_heads + 2 * nkv) * d, k_in)
-            and x.is_contiguous() and x.data_ptr() % 16 == 0
-            and kv.k.is_contiguous() and kv.v.is_contiguous()
-            and cos_sin.dtype == torch.float32 and cos_sin.is_contiguous()
-            and cos_sin.shape[-1] == d)
-
-
-def qkv_rotary_write_kv(x: torch.Tensor, weight: torch.Tensor, norm: tuple[torch.Tensor, float],
-                        positions: torch.Tensor, cos_sin: torch.Tensor, kv: LayerKV,
-                        slot_mapping: torch.Tensor, num_heads: int, *,
-                        out: Optional[torch.Tensor] = None,
-                        peer_sum: Optional[tuple] = None) -> torch.Tensor:
-    """As reference.qkv_rotary_write_kv. At one row with a 16-bit pool (decode
-    at batch 1; FP8 weights: up to FP8_GEMV_MAX_ROWS rows) one GEMV launch does
-    it all: norm in front, rotary and the KV write behind. Otherwise linear()
-    then rotary_write_kv(). peer_sum = (peer, residual_out): x is the residual
-    before the ranks' pushed partial sums, which the launch adds first
-    (writing x + sum to residual_out); see linear_push."""
-    t, k_in = x.shape
-    nkv, bs, d = kv.k.shape[1:]
-    fp8 = isinstance(weight, Fp8Weight)
-    fused = _qkv_fusable(x, weight, norm, cos_sin, kv, num_heads)
-    if peer_sum is not None and not (fused and not fp8):
-        raise ValueError("qkv_rotary_write_kv: the peer sum needs the fused 16-bit GEMV")
+    fused = (weight_ok and _native_ok(x, kv.k)
+             and x.dtype in _HALF and kv.k.dtype == x.dtype
+             and norm[0].dtype == x.dtype and norm[0].is_contiguous()
+             and norm[0].data_ptr() % 16 == 0
+             and weight.shape == ((num_heads + 2 * nkv) * d, k_in)
+             and x.is_contiguous() and x.data_ptr() % 16 == 0
+             and kv.k.is_contiguous() and kv.v.is_contiguous()
+             and cos_sin.dtype == torch.float32 and cos_sin.is_contiguous()
+             and cos_sin.shape[-1] == d)
     if not fused:
         qkv = linear(x, weight, norm=norm)
         q, k, v = qkv.split([num_heads * d, nkv * d, nkv * d], dim=-1)
@@ -451,8 +431,7 @@ def qkv_rotary_write_kv(x: torch.Tensor, weight: torch.Tensor, norm: tuple[torch
                          norm[0].data_ptr(), float(norm[1]), positions.data_ptr(),
                          cos_sin.data_ptr(), slots.data_ptr(), kv.k.data_ptr(), kv.v.data_ptr(),
                          num_heads, nkv, d, bs, _DTYPES[x.dtype], _stream(x),
-                         weight.scale.data_ptr() if fp8 else 0,
-                         **_peer_args(*(peer_sum or (None, None))))
+                         weight.scale.data_ptr() if fp8 else 0)
     return out
 
 
@@ -557,64 +536,6 @@ def all_reduce_peer(x: torch.Tensor, buffers: list[int], rank: int, capacity: in
                       residual.data_ptr() if residual is not None else 0, x.numel(),
                       _DTYPES[x.dtype], buffers, rank, capacity, _stream(x))
     return out
-
-
-# The all-reduce of decode's o and down projections fused into the GEMVs
-# around it (native/cuda/peer_sum.cuh): the projection pushes its partial
-# sums into every rank's buffer (linear_push) and the next one sums them in
-# its prologue (linear_summed, qkv_rotary_write_kv's peer_sum), with the
-# residual add and the norm. The same bits as linear, all_reduce_peer with
-# the residual, then the normed projection. Off until measured on GPUs
-# (TURBOMQ_PEER_FUSED=1 turns it on).
-PEER_FUSED = os.environ.get("TURBOMQ_PEER_FUSED", "0") == "1"
-
-
-def peer_fusable(x: torch.Tensor, capacity: int, qkv_weight, norm: tuple[torch.Tensor, float],
-                 cos_sin: torch.Tensor, kv: LayerKV, num_heads: int) -> bool:
-    """Whether a forward of residual x [rows, hidden] may fuse its
-    all-reduces: the rows the fused GEMV forms take, 16-bit weights, a
-    message within a slot, and the qkv projection in one launch."""
-    rows = x.shape[0]
-    return (PEER_FUSED and FUSED_GEMV and 0 < rows <= FUSED_GEMV_MAX_ROWS and _native_ok(x)
-            and x.dtype in _HALF and x.dim() == 2 and x.nbytes <= capacity
-            and x.nbytes <= _k.GEMV_SMEM_BYTES and x.shape[1] % 8 == 0
-            and not isinstance(qkv_weight, Fp8Weight)
-            and _qkv_fusable(x, qkv_weight, norm, cos_sin, kv, num_heads))
-
-
-def _peer_args(peer, residual_out: Optional[torch.Tensor]) -> dict:
-    """The native GEMV's peer arguments: none, a push, or a sum into residual_out."""
-    if peer is None:
-        return {}
-    return {"peer_buffers": peer.buffers, "peer_rank": peer.rank, "peer_capacity": peer.capacity,
-            "residual_out": residual_out.data_ptr() if residual_out is not None else 0}
-
-
-def _peer_weight_ok(x: torch.Tensor, weight) -> None:
-    if isinstance(weight, Fp8Weight) or weight.dtype != x.dtype or not weight.is_contiguous():
-        raise ValueError("the peer GEMV forms take contiguous 16-bit weights of x's dtype")
-
-
-def linear_push(x: torch.Tensor, weight: torch.Tensor, peer) -> None:
-    """x @ weight.T (this rank's partial sums), pushed into this rank's slot
-    of every rank's peer buffer for the next linear_summed or
-    qkv_rotary_write_kv(peer_sum=...) to add up."""
-    _peer_weight_ok(x, weight)
-    k_in = x.shape[-1]
-    _run_gemv(x, x.numel() // k_in, weight.shape[0], weight.data_ptr(), None, False, None,
-              peer=peer)
-
-
-def linear_summed(residual: torch.Tensor, weight: torch.Tensor, norm: tuple[torch.Tensor, float],
-                  peer, residual_out: torch.Tensor, *, silu: bool = False) -> torch.Tensor:
-    """residual_out = residual + (the ranks' pushed partial sums), then
-    linear(residual_out, weight, norm=norm, silu=silu), in one launch."""
-    _peer_weight_ok(residual, weight)
-    if residual_out.shape != residual.shape or not residual_out.is_contiguous():
-        raise ValueError("linear_summed: residual_out must be a contiguous tensor like residual")
-    n_out = weight.shape[0] // 2 if silu else weight.shape[0]
-    return _run_gemv(residual, residual.shape[0], n_out, weight.data_ptr(), norm, silu, None,
-                     peer=peer, residual_out=residual_out)
 
 
 # ----------------------------------------------------------- attention

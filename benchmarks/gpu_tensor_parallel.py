@@ -156,7 +156,8 @@ def main() -> None:
     ap.add_argument("--max-batch-size", type=int, default=64)
     ap.add_argument("--without-nccl", action="store_true",
                     help="leave out the two-GPU row with every all-reduce through NCCL")
-    ap.add_argument("--only", help="run only the engine of this name")
+    ap.add_argument("--only", action="append",
+                    help="run only the engine of this name (repeat for several)")
     ap.add_argument("--profile", action="store_true",
                     help="also profile each engine's prefill and batch-1 decode (tp_profile_*.txt)")
     ap.add_argument("--checkpoint", type=Path,
@@ -176,7 +177,7 @@ def main() -> None:
             save_converted(Checkpoint(LLAMA3_8B, tensors), path)
             del tensors
         for name, case, mode, batch in CASES:
-            if (args.without_nccl and mode == "nccl") or (args.only and args.only != name):
+            if (args.without_nccl and mode == "nccl") or (args.only and name not in args.only):
                 continue
             all_reduce_mode(mode)
             batch *= args.max_batch_size

@@ -154,17 +154,14 @@ __device__ __forceinline__ float fp8_scale(float amax) { return fmaxf(amax * kFp
 // quantize_rows. A multiply, not a division per value: quantizing x is every
 // FP8 GEMV block's prologue.
 __device__ __forceinline__ uint2 fp8_pack8(const float* f, float inv) {
-  std::uint32_t w[2];
+  std::uint32_t pair[4];  // bytes 2p, 2p + 1
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const __nv_fp8x2_storage_t lo = __nv_cvt_float2_to_fp8x2(
-        make_float2(__fmul_rn(f[4 * h], inv), __fmul_rn(f[4 * h + 1], inv)), __NV_SATFINITE, __NV_E4M3);
-    const __nv_fp8x2_storage_t hi = __nv_cvt_float2_to_fp8x2(
-        make_float2(__fmul_rn(f[4 * h + 2], inv), __fmul_rn(f[4 * h + 3], inv)), __NV_SATFINITE,
+  for (int p = 0; p < 4; ++p) {
+    pair[p] = __nv_cvt_float2_to_fp8x2(
+        make_float2(__fmul_rn(f[2 * p], inv), __fmul_rn(f[2 * p + 1], inv)), __NV_SATFINITE,
         __NV_E4M3);
-    w[h] = static_cast<std::uint32_t>(lo) | (static_cast<std::uint32_t>(hi) << 16);
   }
-  return make_uint2(w[0], w[1]);
+  return make_uint2(pair[0] | (pair[1] << 16), pair[2] | (pair[3] << 16));
 }
 
 __device__ __forceinline__ float warp_max(float x) {

@@ -86,7 +86,7 @@ def _peer_all_reduce_rank(tp, rank: int, push: bool) -> None:
     # captured once, replayed with new inputs: the flags live on the device
     x = torch.zeros(4, 4096, device="cuda", dtype=torch.bfloat16)
     res = torch.zeros_like(x)
-    graph, _ = _captured(lambda: tp.all_reduce_into(res, x))
+    graph = _captured(lambda: tp.all_reduce_into(res, x))
     for step in range(20):
         new_x = torch.randn(x.shape, generator=g, device="cuda", dtype=x.dtype)
         new_res = torch.randn(x.shape, generator=g, device="cuda", dtype=x.dtype)
@@ -148,9 +148,9 @@ def _run_rank(body, rank: int, port: int, args: tuple, failures) -> None:
         tp.leave()
 
 
-def _captured(fn):
-    """fn() captured once into a CUDA graph (after a warm-up run on a side
-    stream): the graph and what fn returned while captured."""
+def _captured(fn) -> torch.cuda.CUDAGraph:
+    """fn() captured once into a CUDA graph, after a warm-up run on a side
+    stream."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -158,5 +158,5 @@ def _captured(fn):
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        result = fn()
-    return graph, result
+        fn()
+    return graph

@@ -112,7 +112,8 @@ PREFILL_TMA = _on_hopper("TURBOMQ_PREFILL_TMA")
 # so the mix stays batch-invariant. TURBOMQ_INVARIANT_WGMMA=0: mma.sync only.
 INVARIANT_WGMMA = _on_hopper("TURBOMQ_INVARIANT_WGMMA")
 # The tiled shape on wgmma with its k tiles loaded by TMA (the same bits as
-# cp.async); TURBOMQ_INVARIANT_TMA=1 turns it on. Off until measured on a GPU.
+# cp.async); TURBOMQ_INVARIANT_TMA=1 turns it on. Off: faster alone at
+# prefill sizes, 2-4% slower on the deterministic offline run (docs/determinism.md).
 INVARIANT_TMA = os.environ.get("TURBOMQ_INVARIANT_TMA", "0") == "1"
 
 

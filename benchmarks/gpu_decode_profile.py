@@ -124,14 +124,15 @@ def bench_attention() -> list[dict]:
 
 CONFIGS = [
     ("default", {}),
-    ("GEMV not programmatic", {"PDL": False}),
+    ("no programmatic launch", {"PDL": False}),
+    ("attention not programmatic", {"ATTENTION_PDL": False}),
     ("norm, silu, add, rotary apart", {"FUSED_GEMV": False}),
     ("GEMV for every projection", {"GEMV_MAX_ROWS": 8, "GEMV_MAX_K": 1 << 30}),
     ("no GEMV (cuBLAS)", {"GEMV_MAX_ROWS": 0}),
     ("split-K reduce kernel", {"FUSED_SPLITK_COMBINE": False}),
     ("rotary, write_kv apart", {"FUSED_ROTARY_WRITE_KV": False}),
     ("none of them", {"GEMV_MAX_ROWS": 0, "FUSED_SPLITK_COMBINE": False, "FUSED_GEMV": False,
-                      "FUSED_ROTARY_WRITE_KV": False, "PDL": False}),
+                      "FUSED_ROTARY_WRITE_KV": False, "PDL": False, "ATTENTION_PDL": False}),
 ]
 
 
@@ -139,6 +140,9 @@ def apply(cfg: dict, saved: dict) -> None:
     for k, v in saved.items():
         if k == "PDL":
             cuda_ops._k.set_programmatic_launch(cfg.get(k, v))
+        elif k == "ATTENTION_PDL":
+            cuda_ops._k.set_attention_programmatic(cfg.get(k, v))
+            setattr(cuda_ops, k, cfg.get(k, v))
         else:
             setattr(cuda_ops, k, cfg.get(k, v))
 

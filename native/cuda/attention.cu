@@ -151,10 +151,44 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const Params 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane >> 2, c = lane & 3;
   const int kvh = blockIdx.y, part = blockIdx.z;
+  // The batch's layout (lengths, block tables) is written before the
+  // layer's kernels run (host copies, or torch ops, which never start
+  // early), so it is read before the wait below.
   const Tile tile = load_tile(p, blockIdx.x);
   const int k_begin = part * p.partition_size;
   if (k_begin >= tile.kmax) return;  // past this tile's keys; the reduce skips it
   const int k_end = min(k_begin + p.partition_size, tile.kmax);
+  const int* table = p.block_tables + static_cast<std::int64_t>(tile.seq) * p.max_blocks;
+  const int block_mask = (1 << p.block_shift) - 1;
+  const char* k_base = static_cast<const char*>(p.k_cache);
+  const char* v_base = static_cast<const char*>(p.v_cache);
+  // K/V row of token tok (clamped into the range: finite data, masked later).
+  auto kv_row = [&](int tok) {
+    tok = min(tok, k_end - 1);
+    const int block = __ldg(table + (tok >> p.block_shift));
+    return (static_cast<std::int64_t>(block) * p.num_kv_heads + kvh) * (block_mask + 1) +
+           (tok & block_mask);
+  };
+
+  // Launched as a programmatic dependent, the block starts while the kernel
+  // before it (the one that writes q and this step's K/V) still runs: it
+  // pulls its partition's K/V rows into L2 meanwhile (L2 is where writes
+  // meet, so a row written after its prefetch is still read fresh), and
+  // waits before its first real load.
+  for (int base = k_begin + warp * kGroupTokens; base < k_end; base += kWarps * kGroupTokens) {
+    if (c < 2) {
+#pragma unroll
+      for (int t = 0; t < 2; ++t) {
+        const std::int64_t row = kv_row(base + 8 * t + g);
+        const int off = 128 * c;
+        if (off < D * kElem) {
+          prefetch_l2(k_base + row * D * kElem + off);
+          prefetch_l2(v_base + row * D * kElem + off);
+        }
+      }
+    }
+  }
+  grid_dependency_wait();
 
   // Rows g and g + 8 of the tile: their query position (-1: unused row).
   int qpos[2];
@@ -197,22 +231,13 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const Params 
   float m[2] = {-INFINITY, -INFINITY};
   float l[2] = {0.0f, 0.0f};
 
-  const int* table = p.block_tables + static_cast<std::int64_t>(tile.seq) * p.max_blocks;
-  const int block_mask = (1 << p.block_shift) - 1;
-  const char* k_base = static_cast<const char*>(p.k_cache);
-  const char* v_base = static_cast<const char*>(p.v_cache);
-
   // Each lane loads token base + 8 * half + g of a 16-token group; tokens
   // past the range are clamped to a valid one (finite data) and masked below.
   auto load_group = [&](int base, uint4 (&kraw)[2][kJ], uint4 (&vraw)[2][kJ], float (&ks)[2],
                         float (&vs)[2]) {
 #pragma unroll
     for (int t = 0; t < 2; ++t) {
-      const int tok = min(base + 8 * t + g, k_end - 1);
-      const int block = __ldg(table + (tok >> p.block_shift));
-      const std::int64_t row =
-          (static_cast<std::int64_t>(block) * p.num_kv_heads + kvh) * (block_mask + 1) +
-          (tok & block_mask);
+      const std::int64_t row = kv_row(base + 8 * t + g);
       const char* kp = k_base + row * D * kElem;
       const char* vp = v_base + row * D * kElem;
 #pragma unroll
@@ -415,11 +440,18 @@ __global__ void __launch_bounds__(kThreads) attention_reduce_kernel(const Params
   combine_partitions<T, D>(p, tile, blockIdx.x, blockIdx.y);
 }
 
+bool g_attention_programmatic = true;
+
 template <typename T, bool kInt8, int D>
 void launch(const Params& p, int num_tiles, cudaStream_t stream) {
   const dim3 grid(num_tiles, p.num_kv_heads, p.num_parts);
-  paged_attention_kernel<T, kInt8, D><<<grid, kThreads, 0, stream>>>(p);
-  check_launch("paged_attention_kernel");
+  if (g_attention_programmatic) {
+    launch_programmatic(paged_attention_kernel<T, kInt8, D>, p, grid, kThreads, 0, stream,
+                        "paged_attention_kernel");
+  } else {
+    paged_attention_kernel<T, kInt8, D><<<grid, kThreads, 0, stream>>>(p);
+    check_launch("paged_attention_kernel");
+  }
   if (p.num_parts > 1 && p.counters == nullptr) {
     attention_reduce_kernel<T, D><<<dim3(num_tiles, p.num_kv_heads), kThreads, 0, stream>>>(p);
     check_launch("attention_reduce_kernel");
@@ -436,6 +468,8 @@ void dispatch_head_dim(const Params& p, bool int8, int head_dim, int num_tiles, 
 }
 
 }  // namespace
+
+void set_attention_programmatic(bool on) { g_attention_programmatic = on; }
 
 void paged_attention(const AttentionArgs& a) {
   Params p{};

@@ -137,6 +137,10 @@ __device__ __forceinline__ void launch_dependents() {
 __device__ __forceinline__ void grid_dependency_wait() {
   asm volatile("griddepcontrol.wait;" ::: "memory");
 }
+// Brings the line at p into L2 (not L1: nothing stale stays near the SM).
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
 
 __device__ __forceinline__ float warp_sum(float x) {
 #pragma unroll

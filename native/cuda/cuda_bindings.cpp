@@ -66,6 +66,7 @@ void bind_cuda(py::module_& parent) {
         py::arg("capacity"), py::arg("stream"));
   m.def("set_programmatic_launch", &cuda::set_programmatic_launch, py::arg("on"));
   m.def("programmatic_launch", &cuda::programmatic_launch);
+  m.def("set_attention_programmatic", &cuda::set_attention_programmatic, py::arg("on"));
   m.def("set_fp8_gemv_max_tiles", &cuda::set_fp8_gemv_max_tiles, py::arg("tiles"));
   py::enum_<cuda::GemvEpilogue>(m, "GemvEpilogue")
       .value("STORE", cuda::GemvEpilogue::kStore)

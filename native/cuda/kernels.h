@@ -88,6 +88,10 @@ void set_fp8_gemv_max_tiles(int tiles);
 enum class GemvEpilogue : int { kStore = 0, kAddInto = 1, kSiluMul = 2 };
 void set_programmatic_launch(bool on);
 bool programmatic_launch();
+// The paged-attention kernel as a programmatic dependent too (where
+// programmatic_launch() is on): it prefetches its K/V rows into L2 while the
+// kernel before it runs.
+void set_attention_programmatic(bool on);
 void gemv(std::uintptr_t y, std::uintptr_t x, std::uintptr_t w, std::int64_t rows,
           std::int64_t n_out, std::int64_t k_in, DType dtype, std::uintptr_t stream,
           std::uintptr_t norm_weight = 0, float eps = 0.0f,

@@ -580,6 +580,44 @@ def test_attention_after_write_kv(gen):
     assert rel_err(got, expect) < TOL[dtype]
 
 
+
+@pytest.mark.parametrize("programmatic", [True, False])
+def test_attention_after_the_fused_qkv_gemv_in_graph(programmatic, gen):
+    """A decode step's qkv GEMV writes q and the new token's K/V; attention,
+    launched while it may still run (programmatic launch: it prefetches its
+    K/V rows meanwhile), must read both fresh: graph replays with new inputs
+    against the reference ops."""
+    dtype, nkv, group, d, bs, hidden = torch.bfloat16, 8, 4, 128, 64, 1024
+    nh = nkv * group
+    k = cuda_ops._k
+    before = k.programmatic_launch()
+    k.set_programmatic_launch(programmatic)
+    try:
+        _, kv, batch = make_attention_case([1], [300], nkv, group, d, bs, dtype, dtype, gen)
+        w = randn(((nh + 2 * nkv) * d, hidden), dtype, gen, 0.05)
+        norm = (randn((hidden,), dtype, gen), 1e-5)
+        table = cos_sin_table(512, d)
+        positions = torch.tensor([299], device=DEV)
+        x = randn((1, hidden), dtype, gen)
+
+        def step(ops, pool):
+            q = ops.qkv_rotary_write_kv(x, w, norm, positions, table, pool, batch.slot_mapping, nh)
+            return ops.paged_attention(q, pool, batch, d ** -0.5)
+
+        graph = torch.cuda.CUDAGraph()
+        step(cuda_ops, kv)  # warm-up outside the graph
+        with torch.cuda.graph(graph):
+            out = step(cuda_ops, kv)
+        for _ in range(3):
+            x.copy_(randn((1, hidden), dtype, gen))
+            out.fill_(float("nan"))
+            expect_pool = clone_kv(kv)
+            graph.replay()
+            expect = step(ref, expect_pool)
+            assert rel_err(out, expect) < TOL[dtype]
+    finally:
+        k.set_programmatic_launch(before)
+
 def test_fp32_falls_back_to_reference(gen):
     q, kv, batch = make_attention_case([1, 3], [20, 30], 2, 2, 64, 16, torch.float32,
                                        torch.float32, gen)

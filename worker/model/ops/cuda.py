@@ -84,6 +84,9 @@ FP8_GEMV_MAX_ROWS = int(os.environ.get("TURBOMQ_FP8_GEMV_MAX_ROWS", "4"))
 # all of them) where the tiles outnumber the GPU's block slots; 1 until
 # measured on a GPU (TURBOMQ_FP8_GEMV_MAX_TILES=4 to try).
 FP8_GEMV_MAX_TILES = int(os.environ.get("TURBOMQ_FP8_GEMV_MAX_TILES", "1"))
+# Paged attention launched as a programmatic dependent (where TURBOMQ_PDL is
+# on): it pulls its K/V rows into L2 while the qkv projection runs.
+ATTENTION_PDL = os.environ.get("TURBOMQ_ATTENTION_PDL", "1") != "0"
 
 
 def _on_hopper(variable: str) -> bool:
@@ -143,6 +146,8 @@ if _k is not None:
     # Programmatic dependent launch of the GEMV and the invariant GEMM
     # (TURBOMQ_PDL=0 turns it off).
     _k.set_programmatic_launch(os.environ.get("TURBOMQ_PDL", "1") != "0")
+    # and of paged attention (TURBOMQ_ATTENTION_PDL=0: attention alone off)
+    _k.set_attention_programmatic(ATTENTION_PDL)
     _k.set_fp8_gemv_max_tiles(FP8_GEMV_MAX_TILES)
     set_invariant_wgmma(INVARIANT_WGMMA)
     _k.set_gemm_invariant_tma(INVARIANT_TMA)

@@ -33,9 +33,9 @@ inline void check_launch(const char* kernel) { check_cuda(cudaGetLastError(), ke
 // on (kernels.h): it may start while the previous kernel runs, so it must
 // call grid_dependency_wait (below) before reading anything that kernel
 // wrote. A failed launch's error is not left for the caller's next call.
-template <typename K, typename A>
-void launch_programmatic(K kernel, const A& args, dim3 grid, int block, std::size_t smem,
-                         cudaStream_t stream, const char* name) {
+template <typename... P, typename... A>
+void launch_programmatic_n(void (*kernel)(P...), dim3 grid, int block, std::size_t smem,
+                           cudaStream_t stream, const char* name, const A&... args) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = dim3(block);
@@ -46,9 +46,15 @@ void launch_programmatic(K kernel, const A& args, dim3 grid, int block, std::siz
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = programmatic_launch() ? 1 : 0;
-  const cudaError_t err = cudaLaunchKernelEx(&cfg, kernel, args);
+  const cudaError_t err = cudaLaunchKernelEx(&cfg, kernel, args...);
   if (err != cudaSuccess) cudaGetLastError();
   check_cuda(err, name);
+}
+// The same for a kernel of one (parameter struct) argument.
+template <typename K, typename A>
+void launch_programmatic(K kernel, const A& args, dim3 grid, int block, std::size_t smem,
+                         cudaStream_t stream, const char* name) {
+  launch_programmatic_n(kernel, grid, block, smem, stream, name, args);
 }
 
 // The current device's SM count, asked once per device (launch planning on

@@ -29,6 +29,7 @@ __global__ void __launch_bounds__(kNormThreads)
 rms_norm_kernel(T* __restrict__ out, const T* __restrict__ x, std::int64_t x_stride,
                 const T* __restrict__ weight, int hidden, float eps) {
   launch_dependents();
+  grid_dependency_wait();  // a programmatic dependent: x may still be being written
   const std::int64_t row = blockIdx.x;
   const T* xr = x + row * x_stride;
   const int nvec = hidden / 8;
@@ -83,14 +84,18 @@ void launch_norm(T* out, const T* x, std::int64_t x_stride, const T* weight, std
                  int hidden, float eps, cudaStream_t s) {
   const int per_thread = ceil_div(hidden / 8, kNormThreads);
   const unsigned grid = static_cast<unsigned>(rows);
+  auto go = [&](auto kernel) {
+    launch_programmatic_n(kernel, dim3(grid), kNormThreads, 0, s, "rms_norm_kernel", out, x,
+                          x_stride, weight, hidden, eps);
+  };
   if (per_thread <= 1) {
-    rms_norm_kernel<T, 1><<<grid, kNormThreads, 0, s>>>(out, x, x_stride, weight, hidden, eps);
+    go(rms_norm_kernel<T, 1>);
   } else if (per_thread <= 2) {
-    rms_norm_kernel<T, 2><<<grid, kNormThreads, 0, s>>>(out, x, x_stride, weight, hidden, eps);
+    go(rms_norm_kernel<T, 2>);
   } else if (per_thread <= 4) {
-    rms_norm_kernel<T, 4><<<grid, kNormThreads, 0, s>>>(out, x, x_stride, weight, hidden, eps);
+    go(rms_norm_kernel<T, 4>);
   } else {
-    rms_norm_kernel<T, 0><<<grid, kNormThreads, 0, s>>>(out, x, x_stride, weight, hidden, eps);
+    go(rms_norm_kernel<T, 0>);
   }
 }
 

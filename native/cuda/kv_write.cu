@@ -103,6 +103,7 @@ struct RopeWriteArgs {
 template <typename T, bool kInt8>
 __global__ void __launch_bounds__(128) rotary_write_kv_kernel(const RopeWriteArgs a) {
   launch_dependents();
+  grid_dependency_wait();  // a programmatic dependent: q, k, v may still be being written
   const std::int64_t tid = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
   const int L = a.lanes;
   const std::int64_t item = tid / L;
@@ -260,14 +261,15 @@ void rotary_write_kv(std::uintptr_t q_out, std::uintptr_t q, std::int64_t q_stri
   require(blocks < (1LL << 31), "rotary_write_kv: too many tokens");
   cudaStream_t s = as_stream(stream);
   const unsigned grid = static_cast<unsigned>(blocks);
+  auto go = [&](auto kernel) {
+    launch_programmatic(kernel, a, dim3(grid), kThreads, 0, s, "rotary_write_kv_kernel");
+  };
   if (dtype == DType::kF16) {
-    if (int8) rotary_write_kv_kernel<__half, true><<<grid, kThreads, 0, s>>>(a);
-    else rotary_write_kv_kernel<__half, false><<<grid, kThreads, 0, s>>>(a);
+    int8 ? go(rotary_write_kv_kernel<__half, true>) : go(rotary_write_kv_kernel<__half, false>);
   } else {
-    if (int8) rotary_write_kv_kernel<__nv_bfloat16, true><<<grid, kThreads, 0, s>>>(a);
-    else rotary_write_kv_kernel<__nv_bfloat16, false><<<grid, kThreads, 0, s>>>(a);
+    int8 ? go(rotary_write_kv_kernel<__nv_bfloat16, true>)
+         : go(rotary_write_kv_kernel<__nv_bfloat16, false>);
   }
-  check_launch("rotary_write_kv_kernel");
 }
 
 }  // namespace cuda

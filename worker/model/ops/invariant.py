@@ -23,6 +23,7 @@ On the CPU the same structure runs on the reference ops."""
 
 from __future__ import annotations
 
+import os
 from types import ModuleType
 from typing import Optional
 
@@ -33,8 +34,9 @@ from .layer_kv import LayerKV
 
 # Keys per split-K partition of attention. Small enough that a long context
 # still spreads over many blocks at batch 1, large enough that a prefill's
-# partials stay few.
-PARTITION_KEYS = 256
+# partials stay few. TURBOMQ_DETERMINISTIC_PARTITION overrides (a multiple of
+# 64; tokens then differ from those of another size).
+PARTITION_KEYS = int(os.environ.get("TURBOMQ_DETERMINISTIC_PARTITION", "256"))
 
 
 class InvariantOps:

@@ -565,6 +565,25 @@ def test_prefill_kernel_ignores_what_lies_past_the_keys(d, gen, monkeypatch, pre
     assert rel_err(got, ref.paged_attention(q, clean, batch, scale)) < TOL[dtype]
 
 
+
+@pytest.mark.parametrize("q_lens", [[1] * 7, [1, 9, 40, 1, 3]])
+@pytest.mark.parametrize("kv_kind", KV_KINDS)
+def test_fixed_partition_launches_over_tiles_in_turn(q_lens, kv_kind, gen, monkeypatch):
+    """Deterministic mode's attention (a fixed partition, always combined)
+    under a cap on its partials launches over a few tiles at a time: the
+    same bits as one launch, decode and prefill rows alike."""
+    dtype, d = torch.bfloat16, 128
+    ctx = [q + c for q, c in zip(q_lens, [700, 1, 300, 64, 1000, 130, 5])]
+    q, kv, batch = make_attention_case(q_lens, ctx, 2, 4, d, 16, dtype,
+                                       dtype if kv_kind == "same" else torch.int8, gen)
+    outs = []
+    for cap in (1 << 40, 1):  # one launch; one tile per launch
+        monkeypatch.setattr(cuda_ops, "ATTENTION_PARTIALS_MAX_BYTES", cap)
+        outs.append(cuda_ops.paged_attention(q, kv, batch, d ** -0.5, partition_size=64,
+                                             always_combine=True))
+    assert torch.equal(outs[0], outs[1])
+    assert rel_err(outs[1], ref.paged_attention(q, kv, batch, d ** -0.5)) < TOL[dtype]
+
 def test_attention_after_write_kv(gen):
     """write_kv then attention through the same pool, int8, as a model step does."""
     dtype, nkv, group, d, bs = torch.bfloat16, 4, 4, 128, 16

@@ -49,6 +49,10 @@ MIN_PARTITION_TINY = 64
 # Split-K attention combines its partitions inside the attention kernel (the
 # last block of each (tile, KV head) to finish), not in a second launch.
 FUSED_SPLITK_COMBINE = True
+# always_combine (deterministic mode's fixed partition): at most this many
+# bytes of split-K partials per launch; larger batches launch over their
+# tiles in turn.
+ATTENTION_PARTIALS_MAX_BYTES = 1 << 30
 
 # rotary_write_kv runs as one kernel (False: rotary then write_kv, for A/B runs).
 FUSED_ROTARY_WRITE_KV = True
@@ -604,17 +608,17 @@ def _max_context(batch: AttentionBatch, which: str) -> int:
 
 
 def _tiles(batch: AttentionBatch, group: int, device: torch.device, rows: Optional[int] = None,
-           which: Optional[str] = None):
+           which: Optional[str] = None, listed: bool = False):
     """(tile tensor or None, number of tiles) of `rows` rows each (default:
     attention.cu's 16) over the sequences `which` selects (_selected);
     cached on the batch, which every layer of a step shares. None: decode, a
-    tile per sequence."""
+    tile per sequence (unless `listed`: a launch over some of the tiles)."""
     rows = rows or _k.ATTENTION_TILE_ROWS
     cache = batch.backend_cache.setdefault("cuda_tiles", {})
-    if (group, rows, which) in cache:
-        return cache[group, rows, which]
+    if (group, rows, which, listed) in cache:
+        return cache[group, rows, which, listed]
     if (which is None and rows == _k.ATTENTION_TILE_ROWS and batch.max_q_len == 1
-            and group <= rows):
+            and group <= rows and not listed):
         result = (None, batch.num_seqs)
     else:
         q = np.asarray(batch.q_lens_host, dtype=np.int64)
@@ -624,7 +628,7 @@ def _tiles(batch: AttentionBatch, group: int, device: torch.device, rows: Option
         first = np.repeat(np.cumsum(per_seq) - per_seq, per_seq)
         pairs = np.stack([seq, np.arange(total) - first], axis=1).astype(np.int32)
         result = (to_device(pairs, torch.int32, device), total)
-    cache[group, rows, which] = result
+    cache[group, rows, which, listed] = result
     return result
 
 
@@ -709,6 +713,22 @@ def paged_attention(q: torch.Tensor, kv: LayerKV, batch: AttentionBatch, scale: 
                                        int8=kv.k.dtype == torch.int8)
     if always_combine:
         parts = max(parts, 2)  # the second partition holds no key: the combine skips it
+        # A fixed partition gives a long prefill many partials: launch over
+        # as many tiles at a time as keep them under the cap (a row's result
+        # does not depend on the tiles beside it).
+        per_tile = nkv * parts * _k.ATTENTION_TILE_ROWS * d * 4
+        step = max(1, ATTENTION_PARTIALS_MAX_BYTES // per_tile)
+        if num_tiles > step:
+            tiles, num_tiles = _tiles(batch, nh // nkv, q.device, None, which, listed=True)
+            partials, counters = _partials(q.device, step * nkv, parts,
+                                           _k.ATTENTION_TILE_ROWS, d, fused_combine)
+            if out is None:
+                out = torch.empty((t, nh, d), dtype=q.dtype, device=q.device)
+            for first in range(0, num_tiles, step):
+                n = min(step, num_tiles - first)
+                _launch_attention(out, q, kv, batch, scale, tiles[first:first + n], n,
+                                  part_size, parts, partials, counters)
+            return out
     partials, counters = _partials(q.device, num_tiles * nkv, parts, _k.ATTENTION_TILE_ROWS, d,
                                    fused_combine)
     return _launch_attention(out, q, kv, batch, scale, tiles, num_tiles, part_size, parts,

@@ -445,13 +445,8 @@ bool g_attention_programmatic = true;
 template <typename T, bool kInt8, int D>
 void launch(const Params& p, int num_tiles, cudaStream_t stream) {
   const dim3 grid(num_tiles, p.num_kv_heads, p.num_parts);
-  if (g_attention_programmatic) {
-    launch_programmatic(paged_attention_kernel<T, kInt8, D>, p, grid, kThreads, 0, stream,
-                        "paged_attention_kernel");
-  } else {
-    paged_attention_kernel<T, kInt8, D><<<grid, kThreads, 0, stream>>>(p);
-    check_launch("paged_attention_kernel");
-  }
+  launch_kernel(g_attention_programmatic, paged_attention_kernel<T, kInt8, D>, grid, kThreads, 0,
+                stream, "paged_attention_kernel", p);
   if (p.num_parts > 1 && p.counters == nullptr) {
     attention_reduce_kernel<T, D><<<dim3(num_tiles, p.num_kv_heads), kThreads, 0, stream>>>(p);
     check_launch("attention_reduce_kernel");

@@ -29,13 +29,14 @@ inline void check_cuda(cudaError_t err, const char* what) {
 inline void check_launch(const char* kernel) { check_cuda(cudaGetLastError(), kernel); }
 
 // Launches `kernel(args)` on `grid` x `block` with `smem` bytes of dynamic
-// shared memory, as a programmatic dependent where programmatic_launch() is
-// on (kernels.h): it may start while the previous kernel runs, so it must
+// shared memory, as a programmatic dependent where `programmatic` and
+// programmatic_launch() are on (kernels.h): it may start while the previous
+// kernel runs, so it must
 // call grid_dependency_wait (below) before reading anything that kernel
 // wrote. A failed launch's error is not left for the caller's next call.
 template <typename... P, typename... A>
-void launch_programmatic_n(void (*kernel)(P...), dim3 grid, int block, std::size_t smem,
-                           cudaStream_t stream, const char* name, const A&... args) {
+void launch_kernel(bool programmatic, void (*kernel)(P...), dim3 grid, int block,
+                   std::size_t smem, cudaStream_t stream, const char* name, const A&... args) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = dim3(block);
@@ -45,16 +46,16 @@ void launch_programmatic_n(void (*kernel)(P...), dim3 grid, int block, std::size
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
-  cfg.numAttrs = programmatic_launch() ? 1 : 0;
+  cfg.numAttrs = programmatic && programmatic_launch() ? 1 : 0;
   const cudaError_t err = cudaLaunchKernelEx(&cfg, kernel, args...);
   if (err != cudaSuccess) cudaGetLastError();
   check_cuda(err, name);
 }
-// The same for a kernel of one (parameter struct) argument.
+// The same, always programmatic where on, for a kernel of one (parameter struct) argument.
 template <typename K, typename A>
 void launch_programmatic(K kernel, const A& args, dim3 grid, int block, std::size_t smem,
                          cudaStream_t stream, const char* name) {
-  launch_programmatic_n(kernel, grid, block, smem, stream, name, args);
+  launch_kernel(true, kernel, grid, block, smem, stream, name, args);
 }
 
 // The current device's SM count, asked once per device (launch planning on

@@ -85,8 +85,8 @@ void launch_norm(T* out, const T* x, std::int64_t x_stride, const T* weight, std
   const int per_thread = ceil_div(hidden / 8, kNormThreads);
   const unsigned grid = static_cast<unsigned>(rows);
   auto go = [&](auto kernel) {
-    launch_programmatic_n(kernel, dim3(grid), kNormThreads, 0, s, "rms_norm_kernel", out, x,
-                          x_stride, weight, hidden, eps);
+    launch_kernel(true, kernel, dim3(grid), kNormThreads, 0, s, "rms_norm_kernel", out, x,
+                  x_stride, weight, hidden, eps);
   };
   if (per_thread <= 1) {
     go(rms_norm_kernel<T, 1>);

@@ -565,7 +565,6 @@ def test_prefill_kernel_ignores_what_lies_past_the_keys(d, gen, monkeypatch, pre
     assert rel_err(got, ref.paged_attention(q, clean, batch, scale)) < TOL[dtype]
 
 
-
 @pytest.mark.parametrize("q_lens", [[1] * 7, [1, 9, 40, 1, 3]])
 @pytest.mark.parametrize("kv_kind", KV_KINDS)
 def test_fixed_partition_launches_over_tiles_in_turn(q_lens, kv_kind, gen, monkeypatch):
@@ -584,6 +583,7 @@ def test_fixed_partition_launches_over_tiles_in_turn(q_lens, kv_kind, gen, monke
     assert torch.equal(outs[0], outs[1])
     assert rel_err(outs[1], ref.paged_attention(q, kv, batch, d ** -0.5)) < TOL[dtype]
 
+
 def test_attention_after_write_kv(gen):
     """write_kv then attention through the same pool, int8, as a model step does."""
     dtype, nkv, group, d, bs = torch.bfloat16, 4, 4, 128, 16
@@ -597,7 +597,6 @@ def test_attention_after_write_kv(gen):
     got = cuda_ops.paged_attention(q, kv, batch, d ** -0.5)
     expect = ref.paged_attention(q, expect_kv, batch, d ** -0.5)
     assert rel_err(got, expect) < TOL[dtype]
-
 
 
 @pytest.mark.parametrize("programmatic", [True, False])
@@ -636,6 +635,7 @@ def test_attention_after_the_fused_qkv_gemv_in_graph(programmatic, gen):
             assert rel_err(out, expect) < TOL[dtype]
     finally:
         k.set_programmatic_launch(before)
+
 
 def test_fp32_falls_back_to_reference(gen):
     q, kv, batch = make_attention_case([1, 3], [20, 30], 2, 2, 64, 16, torch.float32,

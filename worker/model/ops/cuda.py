@@ -711,6 +711,7 @@ def paged_attention(q: torch.Tensor, kv: LayerKV, batch: AttentionBatch, scale: 
     part_size, parts = plan_partitions(num_tiles * nkv, max_context,
                                        _sm_count(q.device), partition_size,
                                        int8=kv.k.dtype == torch.int8)
+    step = num_tiles  # tiles per launch
     if always_combine:
         parts = max(parts, 2)  # the second partition holds no key: the combine skips it
         # A fixed partition gives a long prefill many partials: launch over
@@ -720,19 +721,18 @@ def paged_attention(q: torch.Tensor, kv: LayerKV, batch: AttentionBatch, scale: 
         step = max(1, ATTENTION_PARTIALS_MAX_BYTES // per_tile)
         if num_tiles > step:
             tiles, num_tiles = _tiles(batch, nh // nkv, q.device, None, which, listed=True)
-            partials, counters = _partials(q.device, step * nkv, parts,
-                                           _k.ATTENTION_TILE_ROWS, d, fused_combine)
-            if out is None:
-                out = torch.empty((t, nh, d), dtype=q.dtype, device=q.device)
-            for first in range(0, num_tiles, step):
-                n = min(step, num_tiles - first)
-                _launch_attention(out, q, kv, batch, scale, tiles[first:first + n], n,
-                                  part_size, parts, partials, counters)
-            return out
-    partials, counters = _partials(q.device, num_tiles * nkv, parts, _k.ATTENTION_TILE_ROWS, d,
-                                   fused_combine)
-    return _launch_attention(out, q, kv, batch, scale, tiles, num_tiles, part_size, parts,
-                             partials, counters)
+    partials, counters = _partials(q.device, min(step, num_tiles) * nkv, parts,
+                                   _k.ATTENTION_TILE_ROWS, d, fused_combine)
+    if num_tiles <= step:
+        return _launch_attention(out, q, kv, batch, scale, tiles, num_tiles, part_size, parts,
+                                 partials, counters)
+    if out is None:
+        out = torch.empty((t, nh, d), dtype=q.dtype, device=q.device)
+    for first in range(0, num_tiles, step):
+        n = min(step, num_tiles - first)
+        _launch_attention(out, q, kv, batch, scale, tiles[first:first + n], n, part_size, parts,
+                          partials, counters)
+    return out
 
 
 def _partials(device: torch.device, blocks: int, parts: int, rows: int, d: int,

@@ -68,6 +68,7 @@ void bind_cuda(py::module_& parent) {
   m.def("programmatic_launch", &cuda::programmatic_launch);
   m.def("set_attention_programmatic", &cuda::set_attention_programmatic, py::arg("on"));
   m.def("set_fp8_gemv_max_tiles", &cuda::set_fp8_gemv_max_tiles, py::arg("tiles"));
+  m.def("set_fp8_gemv_run", &cuda::set_fp8_gemv_run, py::arg("steps"));
   py::enum_<cuda::GemvEpilogue>(m, "GemvEpilogue")
       .value("STORE", cuda::GemvEpilogue::kStore)
       .value("ADD_INTO", cuda::GemvEpilogue::kAddInto)

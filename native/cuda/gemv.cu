@@ -109,6 +109,7 @@ struct GemvArgs {
   float eps;
   RopeKV rope;  // kRopeKV; y is q [rows, num_heads, d]
   int tiles_per_block = 1;  // FP8: 16-row tiles per block (set by the launcher)
+  int fp8_run = 1;          // FP8: consecutive 64-byte steps a warp takes at a time
 };
 
 // Rows j and j + d/2 of one head: the rotation pair p.
@@ -387,7 +388,6 @@ __global__ void __launch_bounds__(W * 32) gemv_fp8_kernel(const GemvArgs<T, Fp8>
   static_assert(M <= 8, "x rows are the mma's 8 columns");
   constexpr bool kPaired = E == Epilogue::kSiluMul || E == Epilogue::kRopeKV;
   constexpr int kCols = kPaired ? 8 : 16;  // output columns per tile
-  constexpr int kStride = 4 * W;           // 16-byte chunks from one of a warp's steps to its next
   extern __shared__ uint4 xs[];            // [M][K] of T, then [M][K] E4M3 bytes
   __shared__ float partial[W][M];
   __shared__ float sums[W][kGemvFp8MaxTiles * 4][32];  // lane-major: no bank conflicts
@@ -399,28 +399,44 @@ __global__ void __launch_bounds__(W * 32) gemv_fp8_kernel(const GemvArgs<T, Fp8>
   const int hd = a.rope.head_dim;
   const int kv = a.k_in / 16;  // 16-byte weight chunks per row
   const int steps = a.k_in / 64;
-  const int my_steps = steps > warp ? (steps - warp + W - 1) / W : 0;  // warp, warp + W, ...
+  // The warp's steps: runs of `run` consecutive steps (run * 64 contiguous
+  // bytes of each row), runs warp, warp + W, ... Between two steps of a run
+  // the pointers move 4 chunks; from a run's last step to the warp's next
+  // run, `jump`.
+  const int run = steps % a.fp8_run == 0 ? a.fp8_run : 1;
+  const int runs = steps / run;
+  const int my_steps = runs > warp ? (runs - warp + W - 1) / W * run : 0;
+  const int jump = 4 * (run * W - run + 1);
+  // Chunks from a step to the warp's next; in_run: the step's place in its run.
+  auto next_step = [&](int& in_run) {
+    if (++in_run < run) return 4;
+    in_run = 0;
+    return jump;
+  };
   // Weight rows of tile tt (clamped into range; columns past n_out are not written).
   auto rows_of = [&](int tt, int& ra, int& rb) {
     const int c0 = c_first + tt * kCols;
     ra = weight_row<E>(c0 + g, 0, a.n_out, hd);
     rb = kPaired ? weight_row<E>(c0 + g, 1, a.n_out, hd) : weight_row<E>(c0 + 8 + g, 0, a.n_out, hd);
   };
-  const uint4* w = reinterpret_cast<const uint4*>(a.w) + t + 4 * warp;
+  const uint4* w = reinterpret_cast<const uint4*>(a.w) + t + 4 * run * warp;
   const uint4 *pa, *pb;  // this warp's next load of the tile's two rows
+  int lp = 0;            // their place in the run
   uint4 va[kFp8Steps], vb[kFp8Steps];
   auto start_tile = [&](int tt) {
     int ra, rb;
     rows_of(tt, ra, rb);
     pa = w + static_cast<std::int64_t>(ra) * kv;
     pb = w + static_cast<std::int64_t>(rb) * kv;
+    lp = 0;
 #pragma unroll
     for (int u = 0; u < kFp8Steps; ++u) {
       if (u < my_steps) {
         va[u] = load_stream(pa);
         vb[u] = load_stream(pb);
-        pa += kStride;
-        pb += kStride;
+        const int by = next_step(lp);
+        pa += by;
+        pb += by;
       }
     }
   };
@@ -431,7 +447,7 @@ __global__ void __launch_bounds__(W * 32) gemv_fp8_kernel(const GemvArgs<T, Fp8>
   uint2* xq8 = reinterpret_cast<uint2*>(xs + M * (a.k_in / 8));
   float sx[M];
   quantize_staged<T, M, W>(xs, xq8, a.k_in, partial, sx);
-  const uint4* xq = reinterpret_cast<const uint4*>(xq8) + g * kv + t + 4 * warp;
+  const uint4* xq = reinterpret_cast<const uint4*>(xq8) + g * kv + t + 4 * run * warp;
 
 #pragma unroll
   for (int k = 0; k < kGemvFp8MaxTiles; ++k) {
@@ -439,12 +455,13 @@ __global__ void __launch_bounds__(W * 32) gemv_fp8_kernel(const GemvArgs<T, Fp8>
     if (k > 0) start_tile(k);
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     const uint4* xk = xq;
+    int lx = 0;
     for (int j0 = 0; j0 < my_steps; j0 += kFp8Steps) {
 #pragma unroll
       for (int u = 0; u < kFp8Steps; ++u) {
         if (j0 + u < my_steps) {  // the same for the whole warp
           const uint4 b = g < M ? *xk : make_uint4(0, 0, 0, 0);
-          xk += kStride;
+          xk += next_step(lx);
           float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
           mma_e4m3(d, va[u].x, vb[u].x, va[u].y, vb[u].y, b.x, b.y);
           mma_e4m3(d, va[u].z, vb[u].z, va[u].w, vb[u].w, b.z, b.w);
@@ -453,8 +470,9 @@ __global__ void __launch_bounds__(W * 32) gemv_fp8_kernel(const GemvArgs<T, Fp8>
           if (j0 + u + kFp8Steps < my_steps) {
             va[u] = load_stream(pa);
             vb[u] = load_stream(pb);
-            pa += kStride;
-            pb += kStride;
+            const int by = next_step(lp);
+            pa += by;
+            pb += by;
           }
         }
       }
@@ -518,6 +536,7 @@ void launch_gemv_x(const GemvArgs<T, T>& a, cudaStream_t s) {
 }
 
 int g_fp8_gemv_max_tiles = 1;
+int g_fp8_gemv_run = 1;
 
 // Tiles per block: as few as keep the grid within one wave of resident
 // blocks (every block pays the x prologue once), at most
@@ -542,6 +561,7 @@ void launch_gemv_fp8_w(GemvArgs<T, Fp8> a, cudaStream_t s) {
   opt_in_smem(kernel, kGemvFp8SmemBytes, opted_in,
               "gemv: shared memory opt-in");  // before the occupancy query
   a.tiles_per_block = fp8_tiles_per_block(kernel, tiles, W * 32, smem);
+  a.fp8_run = g_fp8_gemv_run;
   launch(kernel, a, (tiles + a.tiles_per_block - 1) / a.tiles_per_block, W * 32, smem,
          kGemvFp8SmemBytes, opted_in, s, "gemv_fp8_kernel");
 }
@@ -624,6 +644,10 @@ void set_fp8_gemv_max_tiles(int tiles) {
   g_fp8_gemv_max_tiles = tiles;
 }
 bool programmatic_launch() { return g_programmatic_launch; }
+void set_fp8_gemv_run(int steps) {
+  require(steps >= 1 && steps <= 64, "gemv: FP8 steps per run must be 1..64");
+  g_fp8_gemv_run = steps;
+}
 
 namespace {
 

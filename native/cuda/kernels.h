@@ -85,6 +85,10 @@ constexpr int kGemvFp8SmemBytes = 192 * 1024;  // FP8: x and its E4M3 copy
 // default), so that one x prologue serves more weights; see gemv.cu.
 constexpr int kGemvFp8MaxTiles = 4;
 void set_fp8_gemv_max_tiles(int tiles);
+// FP8 GEMV: a warp takes `steps` consecutive 64-byte steps of K at a time
+// (steps * 64 contiguous bytes of each row), then the next warps do; 1: the
+// warps take turns step by step.
+void set_fp8_gemv_run(int steps);
 enum class GemvEpilogue : int { kStore = 0, kAddInto = 1, kSiluMul = 2 };
 void set_programmatic_launch(bool on);
 bool programmatic_launch();

@@ -79,12 +79,19 @@ GEMV_CASES = [(rows, n, k) for n, k in [(6144, 4096), (4096, 14336), (3072, 576)
 
 @pytest.mark.parametrize("rows,n,k", GEMV_CASES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_fp8_gemv_equals_the_reference_product(rows, n, k, dtype):
+@pytest.mark.parametrize("run", [1, 4])
+def test_fp8_gemv_equals_the_reference_product(rows, n, k, dtype, run):
+    """`run`: 64-byte steps a warp takes at a time (K = 576 has nine steps:
+    runs of 4 fall back to single steps)."""
     g = torch.Generator(device="cuda").manual_seed(rows * n + k)
     x = torch.randn(rows, k, generator=g, device="cuda", dtype=dtype)
     w = quantize_weight(torch.randn(n, k, generator=g, device="cuda") * 0.02)
     assert cuda_ops._fp8_gemv_ok(x, w, rows, None)
-    got = cuda_ops.linear(x, w)
+    cuda_ops._k.set_fp8_gemv_run(run)
+    try:
+        got = cuda_ops.linear(x, w)
+    finally:
+        cuda_ops._k.set_fp8_gemv_run(cuda_ops.FP8_GEMV_RUN)
     want = _exact_fp8_product(x, w)
     # one rounding to dtype, plus fp32 summation noise
     torch.testing.assert_close(got.double(), want.to(dtype).double(), rtol=2 ** -7,

@@ -88,6 +88,9 @@ FP8_GEMV_MAX_ROWS = int(os.environ.get("TURBOMQ_FP8_GEMV_MAX_ROWS", "4"))
 # all of them) where the tiles outnumber the GPU's block slots; 1 until
 # measured on a GPU (TURBOMQ_FP8_GEMV_MAX_TILES=4 to try).
 FP8_GEMV_MAX_TILES = int(os.environ.get("TURBOMQ_FP8_GEMV_MAX_TILES", "1"))
+# 64-byte K steps an FP8 GEMV warp takes at a time (run * 64 contiguous bytes
+# of each row); 1 until measured on a GPU (TURBOMQ_FP8_GEMV_RUN=4 to try).
+FP8_GEMV_RUN = int(os.environ.get("TURBOMQ_FP8_GEMV_RUN", "1"))
 # Paged attention launched as a programmatic dependent (where TURBOMQ_PDL is
 # on): it pulls its K/V rows into L2 while the qkv projection runs.
 ATTENTION_PDL = os.environ.get("TURBOMQ_ATTENTION_PDL", "1") != "0"
@@ -153,6 +156,7 @@ if _k is not None:
     # and of paged attention (TURBOMQ_ATTENTION_PDL=0: attention alone off)
     _k.set_attention_programmatic(ATTENTION_PDL)
     _k.set_fp8_gemv_max_tiles(FP8_GEMV_MAX_TILES)
+    _k.set_fp8_gemv_run(FP8_GEMV_RUN)
     set_invariant_wgmma(INVARIANT_WGMMA)
     _k.set_gemm_invariant_tma(INVARIANT_TMA)
     _k.set_prefill_attention_wgmma(PREFILL_WGMMA)

@@ -1,5 +1,6 @@
 """The engine on CUDA: greedy tokens equal to the CPU backend (fp32), CUDA-graph
-decode equal to eager decode (bf16, native kernels), INT8 KV on the GPU.
+decode equal to eager decode (bf16, native kernels), prefill graphs against
+the eager prefill, INT8 KV on the GPU.
 
 Skipped, with the reason, where there is no CUDA device or the native module
 lacks its CUDA kernels."""
@@ -60,14 +61,87 @@ def test_graph_decode_equals_eager(tmp_path, head_dim, kv_dtype):
     params = SamplingParams(max_tokens=48, **GREEDY)
     batch = prompts(12, 2)
     runs = {}
-    for graphs in (False, True):
+    for graphs in (False, True):  # decode graphs only (prefill graphs pad their rows)
         eng = Engine(EngineConfig(model=path, device="cuda", dtype="bf16", kv_dtype=kv_dtype,
-                                  max_batch_size=8, block_size=64, cuda_graphs=graphs))
+                                  max_batch_size=8, block_size=64, cuda_graphs=graphs,
+                                  prefill_graph_tokens=0))
         assert (eng.runner.graphs is not None) == graphs
         runs[graphs] = [r.token_ids for r in eng.generate(input_ids=batch, params=params)]
         eng.kv_manager.check()
     same = sum(a == b for a, b in zip(runs[False], runs[True]))
     assert same == len(batch), f"{same}/{len(batch)} sequences identical"
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+def test_prefill_graph_gives_the_eager_logits_and_kv(tmp_path, kv_dtype):
+    """Prefill graphs replayed with fresh inputs, over history and without,
+    new-token counts inside and at the edge of their buckets, on the two
+    attention kernels (under and over 64 new tokens): the last token's
+    logits and the sequence's KV of the eager forward (bf16: the products
+    run on the padded row count, so within rounding)."""
+    import numpy as np
+
+    from turbomq.worker.model.cuda_graphs import PrefillGraphs
+    from turbomq.worker.model.kv_cache import PagedKVCache, resolve_kv_dtype
+    from turbomq.worker.model.llama import LlamaModel
+    from turbomq.worker.model.ops import AttentionBatch
+    from turbomq.worker.model.weights import load_checkpoint
+
+    ckpt = load_checkpoint(tiny_model(tmp_path, 128, 2))
+    model = LlamaModel(ckpt.config, ckpt.tensors, "cuda", torch.bfloat16)
+    cfg, bs, width = model.config, 16, 64
+    kv_type = resolve_kv_dtype(kv_dtype, model.dtype)
+    pools = [PagedKVCache(cfg.num_layers, width + 1, bs, model.num_kv_heads, cfg.head_dim,
+                          kv_type, "cuda") for _ in range(2)]
+    graphs = PrefillGraphs(model, pools[1], 512, 1024, scratch_block=width)
+    rng = np.random.default_rng(0)
+    for history, new in [(0, 5), (0, 16), (0, 100), (37, 2), (37, 64), (300, 33), (300, 200),
+                         (0, 130)]:
+        table = rng.permutation(width)[None, :].astype(np.int32)
+        ids = rng.integers(3, cfg.vocab_size, history + new).tolist()
+        ctx = history + new
+        for kv in pools:  # the history, eagerly
+            if history:
+                batch = AttentionBatch.build([history], [history], table, bs, "cuda")
+                model.forward(torch.tensor(ids[:history], device="cuda"), batch, kv)
+        used = -(-ctx // bs)
+        want = model.forward(torch.tensor(ids[history:], device="cuda"),
+                             AttentionBatch.build([new], [ctx], table, bs, "cuda"), pools[0])
+        got = graphs.run(ids[history:], ctx, np.where(np.arange(width) < used, table[0], -1))
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+        assert got.argmax().item() == want.argmax().item()
+        blocks = torch.from_numpy(table[0, :used]).long().cuda()
+        for a, b in zip(pools[0].layers, pools[1].layers):
+            for x, y in ((a.k, b.k), (a.v, b.v)):
+                x, y = x[blocks].float(), y[blocks].float()
+                tol = 1.0 if kv_type == torch.int8 else 2e-2 * x.abs().max().item()
+                torch.testing.assert_close(y, x, rtol=0, atol=tol)
+    assert graphs.replays == 8 and len(graphs._graphs) == 5  # (token, context) buckets
+
+
+def test_engine_prefill_graphs_answer_like_eager(tmp_path):
+    """Lone prompts and session turns prefilled by graphs: the greedy tokens
+    of eager prefills (a sequence may part late: bf16 products on padded
+    rows round differently)."""
+    path = tiny_model(tmp_path, 64, 2)
+    params = SamplingParams(max_tokens=24, **GREEDY)
+    runs, replays = {}, {}
+    for tokens in (0, 512):
+        with Engine(EngineConfig(model=path, device="cuda", dtype="bf16", max_batch_size=4,
+                                 block_size=64, prefill_graph_tokens=tokens)) as eng:
+            out = [eng.generate(input_ids=[p], params=params)[0].token_ids
+                   for p in prompts(10, 5)]
+            for turn in range(3):  # a session's turns: a short prefill over its history
+                out.append(eng.generate(input_ids=[[5 + turn, 6, 7, 8 + turn]], params=params,
+                                        session_id="s")[0].token_ids)
+            runs[tokens] = out
+            graphs = eng.runner.prefill_graphs
+            replays[tokens] = 0 if graphs is None else graphs.replays
+    assert replays[0] == 0 and replays[512] >= 12
+    first = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), 24)
+             for x, y in zip(runs[0], runs[512])]
+    print("first divergence per sequence:", first)
+    assert sum(f >= 8 for f in first) >= len(first) - 1
 
 
 def test_bf16_engine_starts_like_fp32(tmp_path):

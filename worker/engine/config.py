@@ -35,6 +35,10 @@ class EngineConfig:
     # CPU, none (the pool is host RAM already). 0: off.
     host_kv_blocks: Optional[int] = None
     cuda_graphs: bool = True  # decode steps replay captured graphs (CUDA, fp16/bf16)
+    # With graphs: a step that prefills one sequence's 2..N new tokens (a
+    # short prompt alone, a chat turn) replays one too (N rounded up to a
+    # power of two from 16; 0: never). Not in deterministic mode.
+    prefill_graph_tokens: int = 512
     # With graphs: launch decode step t+1 before reading step t's tokens, so
     # the host's work between steps overlaps the GPU's.
     overlap_steps: bool = True

@@ -17,7 +17,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from ..model.cuda_graphs import DecodeGraphs, graphs_supported
+from ..model.cuda_graphs import DecodeGraphs, PrefillGraphs, graphs_supported
 from ..model.kv_cache import PagedKVCache, resolve_kv_dtype
 from ..model.llama import LlamaModel, parse_dtype
 from ..model.ops import AttentionBatch
@@ -110,6 +110,7 @@ class ModelRunner:
         self._copy_streams: dict[str, "torch.cuda.Stream"] = {}
         self._copied: dict[str, Optional["torch.cuda.Event"]] = {"out": None, "in": None}
         self.graphs: Optional[DecodeGraphs] = None
+        self.prefill_graphs: Optional[PrefillGraphs] = None
         # Two pinned buffers for sampled tokens, one per step in flight.
         self._token_buffers = ([torch.empty(config.max_batch_size, dtype=torch.long,
                                             pin_memory=True) for _ in range(2)]
@@ -146,6 +147,10 @@ class ModelRunner:
         if cfg.cuda_graphs and graphs_supported(self.model, self.kv_cache):
             self.graphs = DecodeGraphs(self.model, self.kv_cache, cfg.max_batch_size,
                                        self.max_model_len, scratch_block=num_blocks)
+            if cfg.prefill_graph_tokens > 0 and not cfg.deterministic:
+                self.prefill_graphs = PrefillGraphs(self.model, self.kv_cache,
+                                                    cfg.prefill_graph_tokens,
+                                                    self.max_model_len, scratch_block=num_blocks)
         log.info("KV pool: %d blocks of %d tokens = %d tokens (%s, %.2f GiB)", num_blocks,
                  cfg.block_size, num_blocks * cfg.block_size, self.kv_dtype,
                  self.kv_cache.nbytes / 2**30)
@@ -251,8 +256,10 @@ class ModelRunner:
     def release_graphs(self) -> None:
         """Free captured graphs (before a tensor-parallel group goes: NCCL's
         teardown waits for graphs that still hold its collectives)."""
+        for graphs in (self.graphs, self.prefill_graphs):
+            if graphs is not None:
+                graphs.release()
         if self.graphs is not None:
-            self.graphs.release()
             torch.cuda.synchronize(self.device)
 
     def close(self) -> None:
@@ -261,7 +268,7 @@ class ModelRunner:
         if self.model is None:
             return
         self.release_graphs()
-        self.graphs = self.kv_cache = self.model = None
+        self.graphs = self.prefill_graphs = self.kv_cache = self.model = None
         self.host_kv = self.host_scales = None
         self._token_buffers = []
         self._last_sampled = None  # the last step's tokens, kept for the next step
@@ -279,6 +286,11 @@ class ModelRunner:
         dropped."""
         if step.graphed:  # decode-only: every row's logits
             return self.graphs.run(step.ids, step.ctx_lens, step.tables, step.prev_rows)
+        # One sequence's prefill (every rank takes the same decision, from
+        # the same inputs): the last token's logits.
+        if (self.prefill_graphs is not None and step.prev_rows is None
+                and self.prefill_graphs.fits(step.q_lens, step.ctx_lens)):
+            return self.prefill_graphs.run(step.ids, step.ctx_lens[0], step.tables[0])
         # Every input reaches the device without waiting for it, so this
         # forward is queued behind the step in flight.
         batch = AttentionBatch.build(step.q_lens, step.ctx_lens, step.tables,

@@ -1,15 +1,19 @@
-"""CUDA graphs for decode steps.
+"""CUDA graphs for decode steps and for a lone sequence's short prefill.
 
-A decode step launches a few hundred small kernels; replaying them as one
-captured graph removes the per-launch host cost that otherwise dominates at
-small batch sizes. Graphs are captured lazily per (batch bucket, context
-bucket): the batch is padded up to its bucket with rows that write and read a
-scratch KV block no sequence owns, and the context bucket fixes the split-K
-plan of the attention kernel (shorter contexts exit early inside it)."""
+A step launches a few hundred small kernels; replaying them as one captured
+graph removes the per-launch host cost that otherwise dominates at small
+batch sizes (decode) and for short prompts (a 128-token prefill of an 8B
+model is host-bound when launched op by op: every tensor-parallel rank pays
+that cost, so a prompt waits as long on two GPUs as on one). Graphs are
+captured lazily per bucket: the batch (decode) or the new tokens (prefill)
+are padded up to their bucket with rows that write a scratch KV block no
+sequence owns, and a context bucket fixes the split-K plan of the attention
+kernels (shorter contexts exit early inside them)."""
 
 from __future__ import annotations
 
 import bisect
+import math
 from typing import Optional
 
 import numpy as np
@@ -20,6 +24,8 @@ from .llama import LlamaModel
 from .ops import AttentionBatch
 
 MIN_CONTEXT_BUCKET = 512
+MIN_PREFILL_BUCKET = 16
+_NUMPY = {torch.int64: np.int64, torch.int32: np.int32}
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -27,9 +33,18 @@ def batch_buckets(max_batch: int) -> list[int]:
     return sorted({b for b in sizes if b < max_batch} | {max_batch})
 
 
+def prefill_buckets(max_tokens: int) -> list[int]:
+    """Powers of two from MIN_PREFILL_BUCKET up to `max_tokens` (and it)."""
+    sizes, b = [], MIN_PREFILL_BUCKET
+    while b < max_tokens:
+        sizes.append(b)
+        b *= 2
+    return sizes + [max_tokens] if max_tokens > 0 else []
+
+
 def graphs_supported(model: LlamaModel, kv_cache: PagedKVCache) -> bool:
-    """Graphs need every op of a decode step on the native kernels (the
-    reference backend reads host-side lengths that a graph would freeze)."""
+    """Graphs need every op of a step on the native kernels (the reference
+    backend reads host-side lengths that a graph would freeze)."""
     from .ops import cuda
 
     block = kv_cache.block_size
@@ -39,11 +54,100 @@ def graphs_supported(model: LlamaModel, kv_cache: PagedKVCache) -> bool:
             and model.config.head_dim in (64, 128) and block & (block - 1) == 0)
 
 
-class DecodeGraphs:
-    def __init__(self, model: LlamaModel, kv_cache: PagedKVCache, max_batch: int,
-                 max_model_len: int, scratch_block: int):
+def context_bucket(max_context: int, max_model_len: int) -> int:
+    bucket = MIN_CONTEXT_BUCKET
+    while bucket < max_context:
+        bucket *= 2
+    return min(bucket, max_model_len)
+
+
+class GraphInputs:
+    """A graph's per-step inputs in one device byte buffer (every field
+    16-byte aligned), filled from one of two pinned host buffers that take
+    turns: a step is one asynchronous host-to-device copy, and the host fills
+    step t+1's buffer while step t's copy may still be queued behind the
+    GPU's work. `fields`: name -> (dtype, shape)."""
+
+    def __init__(self, fields: dict[str, tuple[torch.dtype, tuple[int, ...]]],
+                 device: torch.device):
+        layout, size = {}, 0
+        for name, (dtype, shape) in fields.items():
+            size = -(-size // 16) * 16
+            nbytes = dtype.itemsize * math.prod(shape)
+            layout[name] = (size, nbytes, dtype, shape)
+            size += nbytes
+        self.buffer = torch.empty(size, dtype=torch.uint8, device=device)
+        self.device = {name: self.buffer[o:o + n].view(dtype).view(shape)
+                       for name, (o, n, dtype, shape) in layout.items()}
+        self._hosts = [torch.empty(size, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+        self.hosts = [{name: h.numpy()[o:o + n].view(_NUMPY[dtype]).reshape(shape)
+                       for name, (o, n, dtype, shape) in layout.items()} for h in self._hosts]
+        self._copied = [torch.cuda.Event(), torch.cuda.Event()]
+        self._turn = 0
+
+    def next_host(self) -> dict[str, np.ndarray]:
+        """The host buffer to fill for the next step (its last copy has left it)."""
+        self._copied[self._turn].synchronize()
+        return self.hosts[self._turn]
+
+    def upload(self) -> None:
+        """Copy the buffer just filled to the device, queued on the current stream."""
+        self.buffer.copy_(self._hosts[self._turn], non_blocking=True)
+        self._copied[self._turn].record()
+        self._turn ^= 1
+
+
+class _Graphs:
+    """Captured graphs by key, sharing one memory pool."""
+
+    def __init__(self, model: LlamaModel, kv_cache: PagedKVCache):
         self.model = model
         self.kv_cache = kv_cache
+        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, object]] = {}
+        self._pool = torch.cuda.graph_pool_handle()
+
+    def release(self) -> None:
+        """Drop every captured graph (captured again on next use) and the
+        memory pool they shared."""
+        self._graphs.clear()
+        self._pool = torch.cuda.graph_pool_handle()
+
+    def _replay(self, key: tuple[int, int]) -> torch.Tensor:
+        entry = self._graphs.get(key)
+        if entry is None:
+            entry = self._graphs[key] = self._capture(*key)
+        graph, logits, _ = entry
+        graph.replay()
+        return logits
+
+    def _capture(self, rows: int, context: int):
+        # Every tensor a graph reads must outlive it: the batch (its tile
+        # lists) is kept with the graph.
+        batch = self._batch(rows, context)
+        # warm up on a side stream (lazy allocations, cuBLAS handles), then capture
+        stream = torch.cuda.Stream(self.model.device)
+        stream.wait_stream(torch.cuda.current_stream(self.model.device))
+        with torch.cuda.stream(stream):
+            self._forward(rows, batch)
+        torch.cuda.current_stream(self.model.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            logits = self._forward(rows, batch)
+        return graph, logits, batch
+
+    def _batch(self, rows: int, context: int) -> AttentionBatch:
+        raise NotImplementedError
+
+    def _forward(self, rows: int, batch: AttentionBatch) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class DecodeGraphs(_Graphs):
+    """Decode steps, by (batch bucket, context bucket)."""
+
+    def __init__(self, model: LlamaModel, kv_cache: PagedKVCache, max_batch: int,
+                 max_model_len: int, scratch_block: int):
+        super().__init__(model, kv_cache)
         self.block_size = kv_cache.block_size
         self.buckets = batch_buckets(max_batch)
         self.max_model_len = max_model_len
@@ -51,51 +155,31 @@ class DecodeGraphs:
         self.scratch_slot = scratch_block * self.block_size
         dev = model.device
         n = self.buckets[-1]
-        # All per-step inputs live in one byte buffer, filled from a pinned
-        # host buffer: a step is one asynchronous host-to-device copy.
-        #   int64: input_ids, positions, slot_mapping, sources   [4, n]
-        #   int32: context_lens [n], block_tables [n, width]
-        # Two host buffers take turns, so the host fills step t+1's while
-        # step t's copy may still be queued behind the GPU's work.
-        ctx_count = -(-n // 4) * 4  # keeps the block tables 16-byte aligned
-        i64_bytes, i32_count = 4 * n * 8, ctx_count + n * self.width
-        nbytes = i64_bytes + 4 * i32_count
-        self._hosts = [_HostInputs(nbytes, i64_bytes, n, ctx_count, self.width) for _ in range(2)]
-        self._copied: list[torch.cuda.Event] = [torch.cuda.Event(), torch.cuda.Event()]
-        self._turn = 0
-        self._device = torch.empty(nbytes, dtype=torch.uint8, device=dev)
-        d_i64 = self._device[:i64_bytes].view(torch.int64).view(4, n)
-        d_i32 = self._device[i64_bytes:].view(torch.int32)
-        self.input_ids, self.positions, self.slot_mapping, self.sources = d_i64
-        self.context_lens = d_i32[:n]
-        self.block_tables = d_i32[ctx_count:].view(n, self.width)
+        i64, i32 = torch.int64, torch.int32
+        # `sources`: row i's input is cat(prev_tokens, input_ids)[sources[i]]
+        self.inputs = GraphInputs({"input_ids": (i64, (n,)), "positions": (i64, (n,)),
+                                   "slot_mapping": (i64, (n,)), "sources": (i64, (n,)),
+                                   "context_lens": (i32, (n,)),
+                                   "block_tables": (i32, (n, self.width))}, dev)
         # The previous step's sampled tokens (the engine copies them here), so
-        # a step can run before the host has read them: the graph takes row
-        # i's input from cat(prev_tokens, input_ids)[sources[i]].
+        # a step can run before the host has read them.
         self.prev_tokens = torch.zeros(n, dtype=torch.int64, device=dev)
-        for h in self._hosts:
-            h.i64[:] = 0
-            h.i64[2] = self.scratch_slot
-            h.i64[3] = n + np.arange(n)
-            h.ctx[:] = 1
-            h.tables[:] = -1
-            h.tables[:, 0] = scratch_block
-        self._device.copy_(self._hosts[0].buffer)
+        for h in self.inputs.hosts:
+            h["input_ids"][:] = h["positions"][:] = 0
+            h["slot_mapping"][:] = self.scratch_slot
+            h["sources"][:] = n + np.arange(n)
+            h["context_lens"][:] = 1
+            h["block_tables"][:] = -1
+            h["block_tables"][:, 0] = scratch_block
+        self.inputs.buffer.copy_(self.inputs._hosts[0])
         self.q_lens = torch.ones(n, dtype=torch.int32, device=dev)
         self.cu_q_lens = torch.arange(n + 1, dtype=torch.int32, device=dev)
-        # every tensor a graph reads must outlive the graph: the rows whose
-        # logits are kept are static too
-        self.rows = torch.arange(n, device=dev)
+        self.rows = torch.arange(n, device=dev)  # every row's logits are kept
         self._scratch_table_row = np.full(self.width, -1, dtype=np.int32)
         self._scratch_table_row[0] = scratch_block
-        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self._pool = torch.cuda.graph_pool_handle()
 
     def context_bucket(self, max_context: int) -> int:
-        bucket = MIN_CONTEXT_BUCKET
-        while bucket < max_context:
-            bucket *= 2
-        return min(bucket, self.max_model_len)
+        return context_bucket(max_context, self.max_model_len)
 
     def fits(self, batch_size: int, max_context: int) -> bool:
         return batch_size <= self.buckets[-1] and max_context <= self.max_model_len
@@ -111,10 +195,10 @@ class DecodeGraphs:
         bucket = self.buckets[bisect.bisect_left(self.buckets, b)]
         ctx = np.asarray(context_lens, dtype=np.int64)
         pos = ctx - 1
-        host = self._hosts[self._turn]
-        self._copied[self._turn].synchronize()  # its last copy has left the buffer
-        ids, positions, slots, sources = host.i64
-        tables = host.tables
+        h = self.inputs.next_host()
+        ids, positions, slots, sources = (h["input_ids"], h["positions"], h["slot_mapping"],
+                                          h["sources"])
+        tables = h["block_tables"]
         cols = min(block_tables.shape[1], self.width)
         tables[:b, :cols] = block_tables[:, :cols]
         tables[:b, cols:] = -1
@@ -128,63 +212,116 @@ class DecodeGraphs:
         else:
             prev = np.asarray(prev_rows, dtype=np.int64)
             sources[:b] = np.where(prev >= 0, prev, n + np.arange(b))
-        host.ctx[:b] = ctx
+        h["context_lens"][:b] = ctx
         # padding rows write and read the scratch block
         ids[b:bucket], positions[b:bucket], slots[b:bucket] = 0, 0, self.scratch_slot
         sources[b:bucket] = n + np.arange(b, bucket)
-        host.ctx[b:bucket] = 1
-        self._device.copy_(host.buffer, non_blocking=True)
-        self._copied[self._turn].record()
-        self._turn ^= 1
-        key = (bucket, self.context_bucket(int(ctx.max())))
-        entry = self._graphs.get(key)
-        if entry is None:
-            entry = self._capture(*key)
-            self._graphs[key] = entry
-        graph, logits = entry
-        graph.replay()
-        return logits[:b]
-
-    def release(self) -> None:
-        """Drop every captured graph (captured again on next use) and the
-        memory pool they shared."""
-        self._graphs.clear()
-        self._pool = torch.cuda.graph_pool_handle()
+        h["context_lens"][b:bucket] = 1
+        self.inputs.upload()
+        return self._replay((bucket, self.context_bucket(int(ctx.max()))))[:b]
 
     def _batch(self, bucket: int, context_bucket: int) -> AttentionBatch:
+        d = self.inputs.device
         return AttentionBatch(
             q_lens=self.q_lens[:bucket], cu_q_lens=self.cu_q_lens[:bucket + 1],
-            context_lens=self.context_lens[:bucket], block_tables=self.block_tables[:bucket],
-            slot_mapping=self.slot_mapping[:bucket], positions=self.positions[:bucket],
+            context_lens=d["context_lens"][:bucket], block_tables=d["block_tables"][:bucket],
+            slot_mapping=d["slot_mapping"][:bucket], positions=d["positions"][:bucket],
             q_lens_host=[1] * bucket, context_lens_host=[context_bucket] * bucket,
             max_q_len=1, max_context_len=context_bucket)
 
-    def _capture(self, bucket: int, context_bucket: int):
-        batch = self._batch(bucket, context_bucket)
-        rows = self.rows[:bucket]
-        # warm up on a side stream (lazy allocations, cuBLAS handles), then capture
-        stream = torch.cuda.Stream(self.model.device)
-        stream.wait_stream(torch.cuda.current_stream(self.model.device))
-        with torch.cuda.stream(stream):
-            self._forward(bucket, batch, rows)
-        torch.cuda.current_stream(self.model.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            logits = self._forward(bucket, batch, rows)
-        return graph, logits
-
-    def _forward(self, bucket: int, batch: AttentionBatch, rows: torch.Tensor) -> torch.Tensor:
-        ids = torch.cat([self.prev_tokens, self.input_ids])[self.sources[:bucket]]
-        return self.model.forward(ids, batch, self.kv_cache, rows)
+    def _forward(self, bucket: int, batch: AttentionBatch) -> torch.Tensor:
+        d = self.inputs.device
+        ids = torch.cat([self.prev_tokens, d["input_ids"]])[d["sources"][:bucket]]
+        return self.model.forward(ids, batch, self.kv_cache, self.rows[:bucket])
 
 
-class _HostInputs:
-    """A pinned host copy of DecodeGraphs' input buffer, with numpy views."""
+def fill_prefill_inputs(h: dict[str, np.ndarray], input_ids: list[int], context_len: int,
+                        block_table: np.ndarray, bucket: int, block_size: int,
+                        scratch_block: int) -> int:
+    """PrefillGraphs' host inputs for one sequence's new tokens `input_ids`
+    (ending at position context_len - 1) padded to `bucket` rows: the padding
+    rows take the next positions, write the scratch block's first slot, and
+    the block table's missing columns are the scratch block. Returns the
+    context the padded rows make."""
+    q = len(input_ids)
+    start = context_len - q
+    padded = start + bucket
+    table = h["block_tables"][0]
+    cols = min(len(block_table), len(table))
+    table[:cols] = block_table[:cols]
+    table[cols:] = -1
+    table[table < 0] = scratch_block
+    positions = np.arange(start, padded)
+    h["input_ids"][:q] = input_ids
+    h["input_ids"][q:bucket] = 0
+    h["positions"][:bucket] = positions
+    slots = h["slot_mapping"]
+    slots[:q] = table[positions[:q] // block_size].astype(np.int64) * block_size \
+        + positions[:q] % block_size
+    slots[q:bucket] = scratch_block * block_size
+    h["logits_row"][0] = q - 1
+    h["q_lens"][0] = bucket
+    h["cu_q_lens"][:] = (0, bucket)
+    h["context_lens"][0] = padded
+    return padded
 
-    def __init__(self, nbytes: int, i64_bytes: int, n: int, ctx_count: int, width: int):
-        self.buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        raw = self.buffer.numpy()
-        self.i64 = raw[:i64_bytes].view(np.int64).reshape(4, n)
-        i32 = raw[i64_bytes:].view(np.int32)
-        self.ctx = i32[:n]
-        self.tables = i32[ctx_count:].reshape(n, width)
+
+class PrefillGraphs(_Graphs):
+    """A lone sequence's prefill of 2..max_tokens new tokens (a fresh short
+    prompt, a chat turn on a resident session), by (token bucket, context
+    bucket). The new tokens are padded up to their bucket with rows at the
+    positions after them, which write the scratch block and whose outputs
+    are dropped (causal attention: no real row sees them); the sequence's
+    context counts them, and its block table is completed with the scratch
+    block for the keys only they read. The logits are the last real row's.
+
+    Not bit-identical to the eager prefill (the matrix products run on the
+    padded row count, whose kernel choice may differ), so deterministic mode
+    does not use them."""
+
+    def __init__(self, model: LlamaModel, kv_cache: PagedKVCache, max_tokens: int,
+                 max_model_len: int, scratch_block: int):
+        super().__init__(model, kv_cache)
+        self.block_size = kv_cache.block_size
+        self.buckets = prefill_buckets(max_tokens)
+        self.max_model_len = max_model_len
+        self.width = -(-max_model_len // self.block_size)
+        self.scratch_block = scratch_block
+        self.replays = 0
+        n = self.buckets[-1]
+        i64, i32 = torch.int64, torch.int32
+        self.inputs = GraphInputs({"input_ids": (i64, (n,)), "positions": (i64, (n,)),
+                                   "slot_mapping": (i64, (n,)), "logits_row": (i64, (1,)),
+                                   "q_lens": (i32, (1,)), "cu_q_lens": (i32, (2,)),
+                                   "context_lens": (i32, (1,)),
+                                   "block_tables": (i32, (1, self.width))}, model.device)
+
+    def fits(self, q_lens: list[int], ctx_lens: list[int]) -> bool:
+        if len(q_lens) != 1 or not self.buckets or not 2 <= q_lens[0] <= self.buckets[-1]:
+            return False
+        bucket = self.buckets[bisect.bisect_left(self.buckets, q_lens[0])]
+        return ctx_lens[0] - q_lens[0] + bucket <= self.max_model_len
+
+    def run(self, input_ids: list[int], context_len: int, block_table: np.ndarray) -> torch.Tensor:
+        """The new tokens input_ids end at position context_len - 1;
+        block_table: the sequence's blocks (>= needed columns, -1 padded).
+        Returns the last token's logits, [1, V]."""
+        q = len(input_ids)
+        bucket = self.buckets[bisect.bisect_left(self.buckets, q)]
+        padded = fill_prefill_inputs(self.inputs.next_host(), input_ids, context_len, block_table,
+                                     bucket, self.block_size, self.scratch_block)
+        self.inputs.upload()
+        self.replays += 1
+        return self._replay((bucket, context_bucket(padded, self.max_model_len)))
+
+    def _batch(self, bucket: int, context_bucket: int) -> AttentionBatch:
+        d = self.inputs.device
+        return AttentionBatch(
+            q_lens=d["q_lens"], cu_q_lens=d["cu_q_lens"], context_lens=d["context_lens"],
+            block_tables=d["block_tables"], slot_mapping=d["slot_mapping"][:bucket],
+            positions=d["positions"][:bucket], q_lens_host=[bucket],
+            context_lens_host=[context_bucket], max_q_len=bucket, max_context_len=context_bucket)
+
+    def _forward(self, bucket: int, batch: AttentionBatch) -> torch.Tensor:
+        d = self.inputs.device
+        return self.model.forward(d["input_ids"][:bucket], batch, self.kv_cache, d["logits_row"])

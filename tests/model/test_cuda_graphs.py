@@ -1,0 +1,89 @@
+"""The inputs a prefill graph replays with: a lone sequence's new tokens
+padded to their bucket give the logits and the KV of the unpadded forward
+(run here through the reference ops; tests/gpu replays the graphs)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import make_hf_model
+from turbomq.worker.model.cuda_graphs import (batch_buckets, context_bucket,
+                                              fill_prefill_inputs, prefill_buckets)
+from turbomq.worker.model.kv_cache import PagedKVCache
+from turbomq.worker.model.llama import LlamaModel
+from turbomq.worker.model.ops import AttentionBatch
+from turbomq.worker.model.weights import load_checkpoint
+
+BLOCK = 8
+
+
+def test_buckets():
+    assert prefill_buckets(512) == [16, 32, 64, 128, 256, 512]
+    assert prefill_buckets(100) == [16, 32, 64, 100]
+    assert prefill_buckets(0) == []
+    assert batch_buckets(20) == [1, 2, 4, 8, 16, 20]
+    assert [context_bucket(c, 4096) for c in (1, 512, 513, 3000, 5000)] == [512, 512, 1024,
+                                                                           4096, 4096]
+
+
+def empty_inputs(tokens: int, width: int) -> dict[str, np.ndarray]:
+    return {"input_ids": np.zeros(tokens, np.int64), "positions": np.zeros(tokens, np.int64),
+            "slot_mapping": np.zeros(tokens, np.int64), "logits_row": np.zeros(1, np.int64),
+            "q_lens": np.zeros(1, np.int32), "cu_q_lens": np.zeros(2, np.int32),
+            "context_lens": np.zeros(1, np.int32), "block_tables": np.zeros((1, width), np.int32)}
+
+
+def forward(model, kv, ids, q_lens, ctx_lens, table, rows, q_host=None, ctx_host=None,
+            slots=None, positions=None):
+    batch = AttentionBatch.build(q_lens, ctx_lens, table, BLOCK) if slots is None else \
+        AttentionBatch(q_lens=torch.tensor(q_lens, dtype=torch.int32),
+                       cu_q_lens=torch.tensor([0, q_lens[0]], dtype=torch.int32),
+                       context_lens=torch.tensor(ctx_lens, dtype=torch.int32),
+                       block_tables=torch.from_numpy(table.astype(np.int32)),
+                       slot_mapping=torch.from_numpy(slots), positions=torch.from_numpy(positions),
+                       q_lens_host=q_host, context_lens_host=ctx_host, max_q_len=q_host[0],
+                       max_context_len=ctx_host[0])
+    with torch.no_grad():
+        return model.forward(torch.tensor(ids), batch, kv, torch.tensor(rows))
+
+
+@pytest.mark.parametrize("history,new,bucket", [(0, 5, 16), (0, 16, 16), (13, 20, 32),
+                                                (24, 2, 16), (40, 33, 64)])
+def test_padded_prefill_gives_the_unpadded_logits_and_kv(tmp_path, history, new, bucket):
+    _, path = make_hf_model("gqa_llama3_rope", tmp_path)
+    ckpt = load_checkpoint(path)
+    model = LlamaModel(ckpt.config, ckpt.tensors)
+    cfg = model.config
+    width = 20  # block-table columns (160 positions)
+    scratch = width  # the pool's last block: no sequence owns it
+    rng = np.random.default_rng(history + new)
+    table = rng.permutation(width)[None, :]  # a scattered table
+    ids = rng.integers(3, cfg.vocab_size, history + new).tolist()
+    pools = [PagedKVCache(cfg.num_layers, width + 1, BLOCK, model.num_kv_heads, cfg.head_dim,
+                          model.dtype) for _ in range(2)]
+    for kv in pools:  # the history, eagerly
+        if history:
+            forward(model, kv, ids[:history], [history], [history], table, [history - 1])
+    ctx = history + new
+    used = -(-ctx // BLOCK)
+    seq_table = np.where(np.arange(width) < used, table, -1)  # columns it owns
+    want = forward(model, pools[0], ids[history:], [new], [ctx], seq_table, [new - 1])
+
+    h = empty_inputs(64, width)
+    padded = fill_prefill_inputs(h, ids[history:], ctx, seq_table[0, :used], bucket, BLOCK, scratch)
+    assert padded == history + bucket and h["context_lens"][0] == padded
+    assert h["q_lens"][0] == bucket and list(h["cu_q_lens"]) == [0, bucket]
+    assert list(h["positions"][:bucket]) == list(range(history, padded))
+    assert (h["slot_mapping"][new:bucket] == scratch * BLOCK).all()  # the padding rows
+    assert (h["block_tables"][0, used:] == scratch).all()
+    got = forward(model, pools[1], h["input_ids"][:bucket].tolist(), [bucket], [padded],
+                  h["block_tables"], [int(h["logits_row"][0])], q_host=[bucket],
+                  ctx_host=[padded], slots=h["slot_mapping"][:bucket].copy(),
+                  positions=h["positions"][:bucket].copy())
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # the sequence's blocks hold the same KV; only the scratch block saw the padding
+    for a, b in zip(pools[0].layers, pools[1].layers):
+        for x, y in ((a.k, b.k), (a.v, b.v)):
+            torch.testing.assert_close(x[:width], y[:width], rtol=1e-5, atol=1e-5)

@@ -20,8 +20,9 @@ BLOCK = 8
 
 
 def test_buckets():
-    assert prefill_buckets(512) == [16, 32, 64, 128, 256, 512]
-    assert prefill_buckets(100) == [16, 32, 64, 100]
+    assert prefill_buckets(512) == [16, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256,
+                                    320, 384, 448, 512]
+    assert prefill_buckets(100) == [16, 32, 48, 64, 80, 96, 100]
     assert prefill_buckets(0) == []
     assert batch_buckets(20) == [1, 2, 4, 8, 16, 20]
     assert [context_bucket(c, 4096) for c in (1, 512, 513, 3000, 5000)] == [512, 512, 1024,

@@ -34,11 +34,14 @@ def batch_buckets(max_batch: int) -> list[int]:
 
 
 def prefill_buckets(max_tokens: int) -> list[int]:
-    """Powers of two from MIN_PREFILL_BUCKET up to `max_tokens` (and it)."""
+    """New-token counts a prefill graph is captured for, up to `max_tokens`:
+    steps of a quarter of the power of two below (16 up to 128, then 32 up
+    to 256, 64 up to 512, ...), so that padding costs the products at most
+    a quarter more rows (a 129-token chat turn takes 160, not 256)."""
     sizes, b = [], MIN_PREFILL_BUCKET
     while b < max_tokens:
         sizes.append(b)
-        b *= 2
+        b += max(MIN_PREFILL_BUCKET, (1 << (b.bit_length() - 1)) // 4)
     return sizes + [max_tokens] if max_tokens > 0 else []
 
 

@@ -36,8 +36,9 @@ class EngineConfig:
     host_kv_blocks: Optional[int] = None
     cuda_graphs: bool = True  # decode steps replay captured graphs (CUDA, fp16/bf16)
     # With graphs: a step that prefills one sequence's 2..N new tokens (a
-    # short prompt alone, a chat turn) replays one too (N rounded up to a
-    # power of two from 16; 0: never). Not in deterministic mode.
+    # short prompt alone, a chat turn) replays one too, the tokens padded to
+    # a bucket (docs/engine.md, "Prefill graphs"; 0: never). Not in
+    # deterministic mode, nor with FP8 weights (not yet run on a GPU).
     prefill_graph_tokens: int = 512
     # With graphs: launch decode step t+1 before reading step t's tokens, so
     # the host's work between steps overlaps the GPU's.

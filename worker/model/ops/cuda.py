@@ -89,8 +89,9 @@ FP8_GEMV_MAX_ROWS = int(os.environ.get("TURBOMQ_FP8_GEMV_MAX_ROWS", "4"))
 # measured on a GPU (TURBOMQ_FP8_GEMV_MAX_TILES=4 to try).
 FP8_GEMV_MAX_TILES = int(os.environ.get("TURBOMQ_FP8_GEMV_MAX_TILES", "1"))
 # 64-byte K steps an FP8 GEMV warp takes at a time (run * 64 contiguous bytes
-# of each row); 1 until measured on a GPU (TURBOMQ_FP8_GEMV_RUN=4 to try).
-FP8_GEMV_RUN = int(os.environ.get("TURBOMQ_FP8_GEMV_RUN", "1"))
+# of each row): 4 is as fast at one row and faster at four on long shapes
+# (docs/kernels.md, FP8 GEMV). TURBOMQ_FP8_GEMV_RUN=1: every W-th step.
+FP8_GEMV_RUN = int(os.environ.get("TURBOMQ_FP8_GEMV_RUN", "4"))
 # Paged attention launched as a programmatic dependent (where TURBOMQ_PDL is
 # on): it pulls its K/V rows into L2 while the qkv projection runs.
 ATTENTION_PDL = os.environ.get("TURBOMQ_ATTENTION_PDL", "1") != "0"

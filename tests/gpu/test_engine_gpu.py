@@ -72,13 +72,15 @@ def test_graph_decode_equals_eager(tmp_path, head_dim, kv_dtype):
     assert same == len(batch), f"{same}/{len(batch)} sequences identical"
 
 
+@pytest.mark.parametrize("quantization", [None, "fp8"])
 @pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
-def test_prefill_graph_gives_the_eager_logits_and_kv(tmp_path, kv_dtype):
+def test_prefill_graph_gives_the_eager_logits_and_kv(tmp_path, kv_dtype, quantization):
     """Prefill graphs replayed with fresh inputs, over history and without,
     new-token counts inside and at the edge of their buckets, on the two
     attention kernels (under and over 64 new tokens): the last token's
     logits and the sequence's KV of the eager forward (bf16: the products
-    run on the padded row count, so within rounding)."""
+    run on the padded row count, so within rounding). FP8 weights too: the
+    engine keeps their prefills eager until this case has passed on a GPU."""
     import numpy as np
 
     from turbomq.worker.model.cuda_graphs import PrefillGraphs
@@ -88,7 +90,8 @@ def test_prefill_graph_gives_the_eager_logits_and_kv(tmp_path, kv_dtype):
     from turbomq.worker.model.weights import load_checkpoint
 
     ckpt = load_checkpoint(tiny_model(tmp_path, 128, 2))
-    model = LlamaModel(ckpt.config, ckpt.tensors, "cuda", torch.bfloat16)
+    model = LlamaModel(ckpt.config, ckpt.tensors, "cuda", torch.bfloat16,
+                       quantization=quantization)
     cfg, bs, width = model.config, 16, 64
     kv_type = resolve_kv_dtype(kv_dtype, model.dtype)
     pools = [PagedKVCache(cfg.num_layers, width + 1, bs, model.num_kv_heads, cfg.head_dim,

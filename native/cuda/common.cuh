@@ -31,9 +31,8 @@ inline void check_launch(const char* kernel) { check_cuda(cudaGetLastError(), ke
 // Launches `kernel(args)` on `grid` x `block` with `smem` bytes of dynamic
 // shared memory, as a programmatic dependent where `programmatic` and
 // programmatic_launch() are on (kernels.h): it may start while the previous
-// kernel runs, so it must
-// call grid_dependency_wait (below) before reading anything that kernel
-// wrote. A failed launch's error is not left for the caller's next call.
+// kernel runs, so it must call grid_dependency_wait (below) before reading
+// anything that kernel wrote. A failed launch's error is not left for the caller's next call.
 template <typename... P, typename... A>
 void launch_kernel(bool programmatic, void (*kernel)(P...), dim3 grid, int block,
                    std::size_t smem, cudaStream_t stream, const char* name, const A&... args) {

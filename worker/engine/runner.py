@@ -258,11 +258,12 @@ class ModelRunner:
     def release_graphs(self) -> None:
         """Free captured graphs (before a tensor-parallel group goes: NCCL's
         teardown waits for graphs that still hold its collectives)."""
-        for graphs in (self.graphs, self.prefill_graphs):
-            if graphs is not None:
-                graphs.release()
-        if self.graphs is not None:
-            torch.cuda.synchronize(self.device)
+        if self.graphs is None:
+            return
+        self.graphs.release()
+        if self.prefill_graphs is not None:  # only beside decode graphs
+            self.prefill_graphs.release()
+        torch.cuda.synchronize(self.device)
 
     def close(self) -> None:
         """Give back every tensor: graphs (and their memory pool), the KV pool,

@@ -12,6 +12,7 @@ kernels (shorter contexts exit early inside them)."""
 
 from __future__ import annotations
 
+import abc
 import bisect
 import math
 from typing import Optional
@@ -100,12 +101,16 @@ class GraphInputs:
         self._turn ^= 1
 
 
-class _Graphs:
-    """Captured graphs by key, sharing one memory pool."""
+class _Graphs(abc.ABC):
+    """Captured graphs by (rows, context) bucket, sharing one memory pool. A
+    subclass says what a bucket's graph reads (`_batch`) and runs (`_forward`)."""
 
-    def __init__(self, model: LlamaModel, kv_cache: PagedKVCache):
+    def __init__(self, model: LlamaModel, kv_cache: PagedKVCache, max_model_len: int):
         self.model = model
         self.kv_cache = kv_cache
+        self.block_size = kv_cache.block_size
+        self.max_model_len = max_model_len
+        self.width = -(-max_model_len // self.block_size)  # block-table columns
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, object]] = {}
         self._pool = torch.cuda.graph_pool_handle()
 
@@ -115,7 +120,8 @@ class _Graphs:
         self._graphs.clear()
         self._pool = torch.cuda.graph_pool_handle()
 
-    def _replay(self, key: tuple[int, int]) -> torch.Tensor:
+    def _replay(self, rows: int, max_context: int) -> torch.Tensor:
+        key = (rows, context_bucket(max_context, self.max_model_len))
         entry = self._graphs.get(key)
         if entry is None:
             entry = self._graphs[key] = self._capture(*key)
@@ -138,11 +144,13 @@ class _Graphs:
             logits = self._forward(rows, batch)
         return graph, logits, batch
 
+    @abc.abstractmethod
     def _batch(self, rows: int, context: int) -> AttentionBatch:
-        raise NotImplementedError
+        """The attention metadata of the bucket's graph, over the device inputs."""
 
+    @abc.abstractmethod
     def _forward(self, rows: int, batch: AttentionBatch) -> torch.Tensor:
-        raise NotImplementedError
+        """The forward the bucket's graph captures; its logits."""
 
 
 class DecodeGraphs(_Graphs):
@@ -150,11 +158,8 @@ class DecodeGraphs(_Graphs):
 
     def __init__(self, model: LlamaModel, kv_cache: PagedKVCache, max_batch: int,
                  max_model_len: int, scratch_block: int):
-        super().__init__(model, kv_cache)
-        self.block_size = kv_cache.block_size
+        super().__init__(model, kv_cache, max_model_len)
         self.buckets = batch_buckets(max_batch)
-        self.max_model_len = max_model_len
-        self.width = -(-max_model_len // self.block_size)  # block-table columns
         self.scratch_slot = scratch_block * self.block_size
         dev = model.device
         n = self.buckets[-1]
@@ -174,15 +179,12 @@ class DecodeGraphs(_Graphs):
             h["context_lens"][:] = 1
             h["block_tables"][:] = -1
             h["block_tables"][:, 0] = scratch_block
-        self.inputs.buffer.copy_(self.inputs._hosts[0])
+        self.inputs.upload()  # both hold the same
         self.q_lens = torch.ones(n, dtype=torch.int32, device=dev)
         self.cu_q_lens = torch.arange(n + 1, dtype=torch.int32, device=dev)
         self.rows = torch.arange(n, device=dev)  # every row's logits are kept
         self._scratch_table_row = np.full(self.width, -1, dtype=np.int32)
         self._scratch_table_row[0] = scratch_block
-
-    def context_bucket(self, max_context: int) -> int:
-        return context_bucket(max_context, self.max_model_len)
 
     def fits(self, batch_size: int, max_context: int) -> bool:
         return batch_size <= self.buckets[-1] and max_context <= self.max_model_len
@@ -221,16 +223,16 @@ class DecodeGraphs(_Graphs):
         sources[b:bucket] = n + np.arange(b, bucket)
         h["context_lens"][b:bucket] = 1
         self.inputs.upload()
-        return self._replay((bucket, self.context_bucket(int(ctx.max()))))[:b]
+        return self._replay(bucket, int(ctx.max()))[:b]
 
-    def _batch(self, bucket: int, context_bucket: int) -> AttentionBatch:
+    def _batch(self, bucket: int, context: int) -> AttentionBatch:
         d = self.inputs.device
         return AttentionBatch(
             q_lens=self.q_lens[:bucket], cu_q_lens=self.cu_q_lens[:bucket + 1],
             context_lens=d["context_lens"][:bucket], block_tables=d["block_tables"][:bucket],
             slot_mapping=d["slot_mapping"][:bucket], positions=d["positions"][:bucket],
-            q_lens_host=[1] * bucket, context_lens_host=[context_bucket] * bucket,
-            max_q_len=1, max_context_len=context_bucket)
+            q_lens_host=[1] * bucket, context_lens_host=[context] * bucket,
+            max_q_len=1, max_context_len=context)
 
     def _forward(self, bucket: int, batch: AttentionBatch) -> torch.Tensor:
         d = self.inputs.device
@@ -284,11 +286,8 @@ class PrefillGraphs(_Graphs):
 
     def __init__(self, model: LlamaModel, kv_cache: PagedKVCache, max_tokens: int,
                  max_model_len: int, scratch_block: int):
-        super().__init__(model, kv_cache)
-        self.block_size = kv_cache.block_size
+        super().__init__(model, kv_cache, max_model_len)
         self.buckets = prefill_buckets(max_tokens)
-        self.max_model_len = max_model_len
-        self.width = -(-max_model_len // self.block_size)
         self.scratch_block = scratch_block
         self.replays = 0
         n = self.buckets[-1]
@@ -315,15 +314,15 @@ class PrefillGraphs(_Graphs):
                                      bucket, self.block_size, self.scratch_block)
         self.inputs.upload()
         self.replays += 1
-        return self._replay((bucket, context_bucket(padded, self.max_model_len)))
+        return self._replay(bucket, padded)
 
-    def _batch(self, bucket: int, context_bucket: int) -> AttentionBatch:
+    def _batch(self, bucket: int, context: int) -> AttentionBatch:
         d = self.inputs.device
         return AttentionBatch(
             q_lens=d["q_lens"], cu_q_lens=d["cu_q_lens"], context_lens=d["context_lens"],
             block_tables=d["block_tables"], slot_mapping=d["slot_mapping"][:bucket],
             positions=d["positions"][:bucket], q_lens_host=[bucket],
-            context_lens_host=[context_bucket], max_q_len=bucket, max_context_len=context_bucket)
+            context_lens_host=[context], max_q_len=bucket, max_context_len=context)
 
     def _forward(self, bucket: int, batch: AttentionBatch) -> torch.Tensor:
         d = self.inputs.device

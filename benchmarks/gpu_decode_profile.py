@@ -79,17 +79,10 @@ def bench_linear() -> list[dict]:
             line = (f"{name:8s} {n:6d}x{k:5d} m={m}: gemv {res['gemv']:7.1f} us "
                     f"({row['gemv_GBps']:5.0f} GB/s)  cublas {res['cublas']:7.1f} us "
                     f"({row['cublas_GBps']:5.0f} GB/s)")
-            # 16-row tiles per FP8 GEMV block at most; 64-byte steps a warp takes at a time
-            for tiles, run in ((1, 1), (4, 1), (1, 4)) if wq else ():
-                cuda_ops._k.set_fp8_gemv_max_tiles(tiles)
-                cuda_ops._k.set_fp8_gemv_run(run)
+            if wq:
                 us = graph_ms(lambda: [cuda_ops.linear(x, w) for w in wq]) / copies * 1e3
-                key = f"t{tiles}" + (f"_r{run}" if run > 1 else "")
-                row[f"fp8_gemv_{key}_us"] = us
-                row[f"fp8_gemv_{key}_GBps"] = fp8_bytes / us / 1e3
-                line += f"  fp8 gemv {key} {us:7.1f} us ({fp8_bytes / us / 1e3:5.0f} GB/s)"
-            cuda_ops._k.set_fp8_gemv_max_tiles(cuda_ops.FP8_GEMV_MAX_TILES)
-            cuda_ops._k.set_fp8_gemv_run(cuda_ops.FP8_GEMV_RUN)
+                row["fp8_gemv_us"], row["fp8_gemv_GBps"] = us, fp8_bytes / us / 1e3
+                line += f"  fp8 gemv {us:7.1f} us ({fp8_bytes / us / 1e3:5.0f} GB/s)"
             rows.append(row)
             print(line, flush=True)
         del ws, wq

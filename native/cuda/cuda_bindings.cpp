@@ -24,7 +24,7 @@ void bind_cuda(py::module_& parent) {
   m.attr("GEMV_MAX_ROWS") = cuda::kGemvMaxRows;
   m.attr("GEMV_MAX_FUSED_ROWS") = cuda::kGemvMaxFusedRows;
   m.attr("GEMV_SMEM_BYTES") = cuda::kGemvSmemBytes;
-  m.attr("GEMV_FP8_SMEM_BYTES") = cuda::kGemvFp8SmemBytes;
+  m.attr("GEMV_FP8_X_BYTES") = cuda::kGemvFp8XBytes;
 
   m.def("rms_norm", &cuda::rms_norm, py::arg("out"), py::arg("x"), py::arg("x_stride"),
         py::arg("weight"), py::arg("rows"), py::arg("hidden"), py::arg("eps"), py::arg("dtype"),
@@ -67,8 +67,6 @@ void bind_cuda(py::module_& parent) {
   m.def("set_programmatic_launch", &cuda::set_programmatic_launch, py::arg("on"));
   m.def("programmatic_launch", &cuda::programmatic_launch);
   m.def("set_attention_programmatic", &cuda::set_attention_programmatic, py::arg("on"));
-  m.def("set_fp8_gemv_max_tiles", &cuda::set_fp8_gemv_max_tiles, py::arg("tiles"));
-  m.def("set_fp8_gemv_run", &cuda::set_fp8_gemv_run, py::arg("steps"));
   py::enum_<cuda::GemvEpilogue>(m, "GemvEpilogue")
       .value("STORE", cuda::GemvEpilogue::kStore)
       .value("ADD_INTO", cuda::GemvEpilogue::kAddInto)

@@ -14,18 +14,18 @@
 // FP8 weights (E4M3, a float scale per output channel) take their own
 // kernel on the FP8 tensor cores (mma.sync m16n8k32): converting 16 weights
 // per 16-byte load to float on the CUDA cores costs more issue slots than
-// the load itself, so a scalar loop stays well short of the bandwidth. The
-// staged x rows are quantized per row in the prologue (after the norm, if
-// any) exactly as quantize_fp8 does; a block owns 16 weight rows (8 row
-// pairs for silu_mul and rope), its warps split K, and each mma pair's sum
-// of 64 products is added into fp32 registers (the tensor cores' own
-// accumulation is kept that short). The fixed-order sum over warps is scaled
-// by (x scale) * (weight scale) before the same epilogues as the 16-bit
-// GEMV: fp8_linear_reference's numbers, one launch per projection.
+// the load itself. x is quantized per row (after the norm, if any) exactly
+// as quantize_fp8 does, once per block; weights stream through shared
+// memory in bulk copies (below, "FP8 weights"); each mma pair's sum of 64
+// products is added into fp32 registers (the tensor cores' own accumulation
+// is kept that short), and the fixed-order sum is scaled by (x scale) *
+// (weight scale) before the same epilogues as the 16-bit GEMV:
+// fp8_linear_reference's numbers, one launch per projection.
 #include <algorithm>
 #include <type_traits>
 
 #include "common.cuh"
+#include "tma.cuh"
 
 namespace turbomq {
 namespace cuda {
@@ -108,8 +108,8 @@ struct GemvArgs {
   const T* norm_w;  // kRmsNorm
   float eps;
   RopeKV rope;  // kRopeKV; y is q [rows, num_heads, d]
-  int tiles_per_block = 1;  // FP8: 16-row tiles per block (set by the launcher)
-  int fp8_run = 1;          // FP8: consecutive 64-byte steps a warp takes at a time
+  int stages = 0;  // FP8: ring stages in shared memory (set by the launcher)
+  int chunk = 0;   // FP8: bytes of K per row per stage (set by the launcher)
 };
 
 // Rows j and j + d/2 of one head: the rotation pair p.
@@ -315,22 +315,89 @@ __global__ void __launch_bounds__(W * 32) gemv_kernel(const GemvArgs<T, T> a) {
 
 // ------------------------------------------------------------ FP8 weights
 using Fp8 = __nv_fp8_e4m3;
-constexpr int kFp8Steps = 8;  // 64-byte K steps in flight per warp (16 loads per lane)
+// d = A (16 x 32 E4M3, row-major) * B (32 x 8 E4M3, column-major) + c, fp32.
+__device__ __forceinline__ void mma_e4m3(float (&d)[4], std::uint32_t a0, std::uint32_t a1,
+                                         std::uint32_t a2, std::uint32_t a3, std::uint32_t b0,
+                                         std::uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
 
-// Quantizes the staged x rows per row, as quantize_fp8: scale[m] =
-// fp8_scale(amax of row m), xq[m][k] = e4m3(x[m][k] * (1 / scale[m])) (bytes).
-template <typename T, int M, int W>
-__device__ __forceinline__ void quantize_staged(const uint4* xs, uint2* xq, int k_in,
-                                                float (&partial)[W][M], float (&scale)[M]) {
+// ------------------------------------------------------------ FP8 weights
+// Laid out for bandwidth: a block per SM, one producer warp that streams
+// weight rows into a ring of shared-memory stages with bulk copies
+// (cp.async.bulk, completion counted in bytes on an mbarrier), and four
+// consumer warps. A block takes a contiguous range of 16-row tiles (ranges
+// differ by at most one tile); a stage is one tile's rows over a chunk of K,
+// a copy per row: a copy's fixed cost is what sets the chunk (measured on
+// the H100: 0.8 TB/s in 256-byte copies, 1.5 in 512, 2.4 in 4 KiB). The
+// consumers deal a stage's 64-byte steps among themselves, and at a tile's
+// end their four partial sums are added in warp order. So x is normalized
+// and quantized once per block (a block per tile paid that prologue 1,792
+// times on gate/up, and was issue-bound on it), and the weight stream never
+// drains between tiles. Before it waits for the previous kernel, the
+// producer fills the whole ring: the weights do not depend on it.
+constexpr int kFp8Consumers = 4;
+constexpr int kFp8MaxStages = 8;
+// Staged rows are chunk + 64 bytes apart: lanes reading rows g and g + 1 hit different banks.
+__host__ __device__ __forceinline__ int fp8_stage_bytes(int chunk) { return 16 * (chunk + 64); }
+// Dynamic shared memory, leaving the static part (sums, partials) under sm_90's 227 KiB.
+constexpr int kFp8SmemBytes = 219 * 1024;
+static_assert(kGemvFp8XBytes + 128 + 4 * 192 + 2 * 16 * (2048 + 64) <= kFp8SmemBytes,
+              "x at its largest leaves two 2 KiB stages");
+
+// Bytes of x's E4M3 copy per row in shared memory: K rounded up to 128, plus
+// 64, so that lanes reading rows g and g + 1 hit different banks.
+__host__ __device__ __forceinline__ int fp8_x_pitch(int k_in) { return (k_in + 127) / 128 * 128 + 64; }
+
+__device__ __forceinline__ void bulk_copy(std::uint32_t dst, const void* src, std::uint32_t bytes,
+                                          std::uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+          dst),
+      "l"(src), "r"(bytes), "r"(bar)
+      : "memory");
+}
+// One arrival on `bar` (the consumers' "stage free").
+__device__ __forceinline__ void mbarrier_arrive(std::uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbarrier_init_count(std::uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ std::uint32_t smem_addr(const void* p) {
+  return static_cast<std::uint32_t>(__cvta_generic_to_shared(p));
+}
+// The consumer warps' barrier (the producer does not take part).
+__device__ __forceinline__ void consumers_sync() {
+  asm volatile("bar.sync 1, %0;" ::"n"(kFp8Consumers * 32) : "memory");
+}
+
+// x rows normalized (kRmsNorm: staged in `xs` first, as stage_x) and
+// quantized per row into `xq` (rows fp8_x_pitch bytes apart), exactly as
+// quantize_fp8; every thread of the block takes part and gets the scales.
+template <typename T, int M, int W, Prologue P>
+__device__ __forceinline__ void quantize_x(const GemvArgs<T, Fp8>& a, uint4* xs, std::uint8_t* xq,
+                                           float (&partial)[W][M], float (&scale)[M]) {
   constexpr int kThreads = W * 32;
   const int lane = threadIdx.x % 32;
-  const int kxv = k_in / 8;
+  const int kxv = a.k_in / 8;
+  const int pitch = fp8_x_pitch(a.k_in) / 8;  // in 8-byte E4M3 groups
+  const uint4* src = reinterpret_cast<const uint4*>(a.x);
+  if constexpr (P == Prologue::kRmsNorm) {
+    stage_x<T, Fp8, M, W, P>(a, xs, partial);
+    src = xs;
+  }
+  auto value = [&](int i) { return P == Prologue::kRmsNorm ? src[i] : __ldcg(src + i); };
 #pragma unroll
   for (int m = 0; m < M; ++m) {
     float amax = 0.0f;
     for (int i = threadIdx.x; i < kxv; i += kThreads) {
       float f[8];
-      widen8<T>(xs[m * kxv + i], f);
+      widen8<T>(value(m * kxv + i), f);
 #pragma unroll
       for (int e = 0; e < 8; ++e) amax = fmaxf(amax, fabsf(f[e]));
     }
@@ -347,155 +414,128 @@ __device__ __forceinline__ void quantize_staged(const uint4* xs, uint2* xq, int 
     scale[m] = fp8_scale(amax);
     inv[m] = __frcp_rn(scale[m]);
   }
+  uint2* q = reinterpret_cast<uint2*>(xq);
 #pragma unroll
   for (int m = 0; m < M; ++m) {
     for (int i = threadIdx.x; i < kxv; i += kThreads) {
       float f[8];
-      widen8<T>(xs[m * kxv + i], f);
-      xq[m * kxv + i] = fp8_pack8(f, inv[m]);
+      widen8<T>(value(m * kxv + i), f);
+      q[m * pitch + i] = fp8_pack8(f, inv[m]);
     }
   }
   __syncthreads();
 }
 
-// d = A (16 x 32 E4M3, row-major) * B (32 x 8 E4M3, column-major) + c, fp32.
-__device__ __forceinline__ void mma_e4m3(float (&d)[4], std::uint32_t a0, std::uint32_t a1,
-                                         std::uint32_t a2, std::uint32_t a3, std::uint32_t b0,
-                                         std::uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-// A tile is 16 weight rows: rows g and g + 8 of the mma's A are output
-// columns c0 + g and c0 + 8 + g, or (paired epilogues) the two rows of output
-// column c0 + g. A block owns a.tiles_per_block consecutive tiles (one x
-// prologue for all of them: a launch whose tiles outnumber the GPU's block
-// slots takes several per block). K runs in 64-byte steps, dealt to the W
-// warps in turn. In a step, lane (g, t) loads bytes [16 t, 16 t + 16) of
-// both its rows and of x row g (zero for g >= M): two mmas take bytes 0-7
-// and 8-15 of each (an mma's K order is a permutation of the bytes, the same
-// for A and B, so the dot products are unchanged). Accumulator element j of
-// lane (g, t) is (row g + 8 (j / 2), x row 2 t + j % 2). A tile's sums do not
-// depend on how many share its block. The loads run as a ring of kFp8Steps
-// steps: a step's registers are refilled with the step kFp8Steps ahead as
-// soon as they are consumed, so the warp keeps its loads in flight until
-// its last steps; pointers advance by addition (no index arithmetic per load).
-template <typename T, int M, int W, Prologue P, Epilogue E>
-__global__ void __launch_bounds__(W * 32) gemv_fp8_kernel(const GemvArgs<T, Fp8> a) {
+template <typename T, int M, Prologue P, Epilogue E>
+__global__ void __launch_bounds__((kFp8Consumers + 1) * 32)
+    gemv_fp8_kernel(const GemvArgs<T, Fp8> a) {
   static_assert(M <= 8, "x rows are the mma's 8 columns");
+  constexpr int W = kFp8Consumers + 1;
   constexpr bool kPaired = E == Epilogue::kSiluMul || E == Epilogue::kRopeKV;
   constexpr int kCols = kPaired ? 8 : 16;  // output columns per tile
-  extern __shared__ uint4 xs[];            // [M][K] of T, then [M][K] E4M3 bytes
+  extern __shared__ __align__(128) std::uint8_t smem[];
   __shared__ float partial[W][M];
-  __shared__ float sums[W][kGemvFp8MaxTiles * 4][32];  // lane-major: no bank conflicts
+  __shared__ float sums[2][kFp8Consumers][4][32];  // by tile parity; lane-major
   launch_dependents();
+  const int S = a.stages, chunk = a.chunk, pitch = chunk + 64, stage_bytes = fp8_stage_bytes(chunk);
+  // [full barriers][empty barriers] (128 bytes), the ring, x's E4M3 copy, staged x (norm).
+  const std::uint32_t full = smem_addr(smem), empty = full + 8 * kFp8MaxStages;
+  std::uint8_t* ring = smem + 128;
+  const int x_pitch = fp8_x_pitch(a.k_in);
+  std::uint8_t* xq = ring + static_cast<std::size_t>(S) * stage_bytes;
+  uint4* xs = reinterpret_cast<uint4*>(xq + M * x_pitch);
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int g = lane / 4, t = lane % 4;
-  const int tiles = a.tiles_per_block;
-  const int c_first = blockIdx.x * tiles * kCols;
   const int hd = a.rope.head_dim;
-  const int kv = a.k_in / 16;  // 16-byte weight chunks per row
-  const int steps = a.k_in / 64;
-  // The warp's steps: runs of `run` consecutive steps (run * 64 contiguous
-  // bytes of each row), runs warp, warp + W, ... Between two steps of a run
-  // the pointers move 4 chunks; from a run's last step to the warp's next
-  // run, `jump`.
-  const int run = steps % a.fp8_run == 0 ? a.fp8_run : 1;
-  const int runs = steps / run;
-  const int my_steps = runs > warp ? (runs - warp + W - 1) / W * run : 0;
-  const int jump = 4 * (run * W - run + 1);
-  // Chunks from a step to the warp's next; in_run: the step's place in its run.
-  auto next_step = [&](int& in_run) {
-    if (++in_run < run) return 4;
-    in_run = 0;
-    return jump;
-  };
-  // Weight rows of tile tt (clamped into range; columns past n_out are not written).
-  auto rows_of = [&](int tt, int& ra, int& rb) {
-    const int c0 = c_first + tt * kCols;
-    ra = weight_row<E>(c0 + g, 0, a.n_out, hd);
-    rb = kPaired ? weight_row<E>(c0 + g, 1, a.n_out, hd) : weight_row<E>(c0 + 8 + g, 0, a.n_out, hd);
-  };
-  const uint4* w = reinterpret_cast<const uint4*>(a.w) + t + 4 * run * warp;
-  const uint4 *pa, *pb;  // this warp's next load of the tile's two rows
-  int lp = 0;            // their place in the run
-  uint4 va[kFp8Steps], vb[kFp8Steps];
-  auto start_tile = [&](int tt) {
-    int ra, rb;
-    rows_of(tt, ra, rb);
-    pa = w + static_cast<std::int64_t>(ra) * kv;
-    pb = w + static_cast<std::int64_t>(rb) * kv;
-    lp = 0;
-#pragma unroll
-    for (int u = 0; u < kFp8Steps; ++u) {
-      if (u < my_steps) {
-        va[u] = load_stream(pa);
-        vb[u] = load_stream(pb);
-        const int by = next_step(lp);
-        pa += by;
-        pb += by;
-      }
+  const int tiles = (a.n_out + kCols - 1) / kCols;
+  const int t_begin = static_cast<int>(static_cast<std::int64_t>(blockIdx.x) * tiles / gridDim.x);
+  const int t_end = static_cast<int>(static_cast<std::int64_t>(blockIdx.x + 1) * tiles / gridDim.x);
+  const int chunks = (a.k_in + chunk - 1) / chunk;
+  const int total = (t_end - t_begin) * chunks;  // stages: (tile, chunk), chunk fastest
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < S; ++i) {
+      mbarrier_init_count(full + 8 * i, 1);
+      mbarrier_init_count(empty + 8 * i, kFp8Consumers);
     }
-  };
-  start_tile(0);  // independent of the previous kernel
-
-  grid_dependency_wait();
-  stage_x<T, Fp8, M, W, P>(a, xs, partial);
-  uint2* xq8 = reinterpret_cast<uint2*>(xs + M * (a.k_in / 8));
-  float sx[M];
-  quantize_staged<T, M, W>(xs, xq8, a.k_in, partial, sx);
-  const uint4* xq = reinterpret_cast<const uint4*>(xq8) + g * kv + t + 4 * run * warp;
-
-#pragma unroll
-  for (int k = 0; k < kGemvFp8MaxTiles; ++k) {
-    if (k >= tiles) break;
-    if (k > 0) start_tile(k);
-    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    const uint4* xk = xq;
-    int lx = 0;
-    for (int j0 = 0; j0 < my_steps; j0 += kFp8Steps) {
-#pragma unroll
-      for (int u = 0; u < kFp8Steps; ++u) {
-        if (j0 + u < my_steps) {  // the same for the whole warp
-          const uint4 b = g < M ? *xk : make_uint4(0, 0, 0, 0);
-          xk += next_step(lx);
-          float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-          mma_e4m3(d, va[u].x, vb[u].x, va[u].y, vb[u].y, b.x, b.y);
-          mma_e4m3(d, va[u].z, vb[u].z, va[u].w, vb[u].w, b.z, b.w);
-#pragma unroll
-          for (int j = 0; j < 4; ++j) acc[j] += d[j];
-          if (j0 + u + kFp8Steps < my_steps) {
-            va[u] = load_stream(pa);
-            vb[u] = load_stream(pb);
-            const int by = next_step(lp);
-            pa += by;
-            pb += by;
-          }
-        }
-      }
-    }
-#pragma unroll
-    for (int j = 0; j < 4; ++j) sums[warp][4 * k + j][lane] = acc[j];
+    fence_mbarrier_init();
   }
   __syncthreads();
-  if (warp != 0) return;
+
+  // Weight row r (0..15) of tile tt: rows g and g + 8 of the mma's A.
+  auto weight_row_of = [&](int tt, int r) {
+    const int c0 = tt * kCols;
+    if constexpr (kPaired) return weight_row<E>(c0 + r % 8, r / 8, a.n_out, hd);
+    return weight_row<E>(c0 + r, 0, a.n_out, hd);
+  };
+  const std::uint8_t* w = reinterpret_cast<const std::uint8_t*>(a.w);
+  int issued = 0;
+  auto issue = [&](int i) {  // stage i into slot i % S, once the consumers are done with it
+    const int slot = i % S;
+    if (i >= S) mbarrier_wait(empty + 8 * slot, (i / S - 1) & 1);
+    const int tile = t_begin + i / chunks, kc = i % chunks;
+    const int bytes = min(chunk, a.k_in - kc * chunk);
+    if (lane == 0) mbarrier_expect_bytes(full + 8 * slot, 16 * bytes);
+    __syncwarp();
+    if (lane < 16) {
+      const std::int64_t row = weight_row_of(tile, lane);
+      bulk_copy(smem_addr(ring) + slot * stage_bytes + lane * pitch,
+                w + row * a.k_in + static_cast<std::int64_t>(kc) * chunk, bytes, full + 8 * slot);
+    }
+  };
+  if (warp == kFp8Consumers) {
+    for (; issued < min(S, total); ++issued) issue(issued);  // independent of the previous kernel
+  }
+
+  grid_dependency_wait();
+  float sx[M];
+  quantize_x<T, M, W, P>(a, xs, xq, partial, sx);
+
+  if (warp == kFp8Consumers) {
+    for (; issued < total; ++issued) issue(issued);
+    return;
+  }
+  const int g = lane / 4, t = lane % 4;
+  const uint4* xrow = reinterpret_cast<const uint4*>(xq + g * x_pitch) + t;
+  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  for (int i = 0; i < total; ++i) {
+    const int slot = i % S;
+    const int tile = t_begin + i / chunks, kc = i % chunks;
+    const int steps = min(chunk, a.k_in - kc * chunk) / 64;
+    mbarrier_wait(full + 8 * slot, (i / S) & 1);
+    const uint4* ra = reinterpret_cast<const uint4*>(ring + slot * stage_bytes + g * pitch) + t;
+    const uint4* rb = ra + 8 * pitch / 16;
+    const uint4* xk = xrow + kc * chunk / 16;
+#pragma unroll 4
+    for (int st = warp; st < steps; st += kFp8Consumers) {
+      const uint4 va = ra[4 * st], vb = rb[4 * st];
+      const uint4 b = g < M ? xk[4 * st] : make_uint4(0, 0, 0, 0);
+      float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      mma_e4m3(d, va.x, vb.x, va.y, vb.y, b.x, b.y);
+      mma_e4m3(d, va.z, vb.z, va.w, vb.w, b.z, b.w);
 #pragma unroll
-  for (int k = 0; k < kGemvFp8MaxTiles; ++k) {
-    if (k >= tiles) break;
-    const int c0 = c_first + k * kCols;
-    int ra, rb;
-    rows_of(k, ra, rb);
+      for (int j = 0; j < 4; ++j) acc[j] += d[j];
+    }
+    __syncwarp();
+    if (lane == 0) mbarrier_arrive(empty + 8 * slot);
+    if (kc < chunks - 1) continue;
+    // The tile's end: warp 0 adds the four partial sums in order and stores.
+    const int buf = (tile - t_begin) & 1;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      sums[buf][warp][j][lane] = acc[j];
+      acc[j] = 0.0f;
+    }
+    consumers_sync();
+    if (warp != 0) continue;
     float v[4];
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       v[j] = 0.0f;
 #pragma unroll
-      for (int w8 = 0; w8 < W; ++w8) v[j] += sums[w8][4 * k + j][lane];
+      for (int w4 = 0; w4 < kFp8Consumers; ++w4) v[j] += sums[buf][w4][j][lane];
     }
-    const float wsa = __ldg(a.w_scale + ra), wsb = __ldg(a.w_scale + rb);
+    const int c0 = tile * kCols;
+    const float wsa = __ldg(a.w_scale + weight_row_of(tile, g)),
+                wsb = __ldg(a.w_scale + weight_row_of(tile, g + 8));
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       const int m = 2 * t + j;
@@ -535,52 +575,43 @@ void launch_gemv_x(const GemvArgs<T, T>& a, cudaStream_t s) {
          kGemvSmemBytes, opted_in, s, "gemv_kernel");
 }
 
-int g_fp8_gemv_max_tiles = 1;
-int g_fp8_gemv_run = 1;
-
-// Tiles per block: as few as keep the grid within one wave of resident
-// blocks (every block pays the x prologue once), at most
-// g_fp8_gemv_max_tiles.
-template <typename K>
-int fp8_tiles_per_block(K kernel, int tiles, int threads, std::size_t smem) {
-  if (g_fp8_gemv_max_tiles <= 1) return 1;
-  int per_sm = 0;
-  check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem),
-             "gemv: occupancy");
-  const int slots = std::max(1, sm_count() * per_sm);
-  return std::min(g_fp8_gemv_max_tiles, std::max(1, (tiles + slots - 1) / slots));
+// Dynamic shared memory of the FP8 GEMV besides its ring: barriers, x's
+// E4M3 copy, and x staged for the norm.
+template <typename T, int M, Prologue P>
+std::size_t fp8_x_bytes(int k_in) {
+  return 128 + static_cast<std::size_t>(M) * fp8_x_pitch(k_in) +
+         (P == Prologue::kRmsNorm ? static_cast<std::size_t>(M) * k_in * sizeof(T) : 0);
 }
 
-template <typename T, int M, int W, Prologue P, Epilogue E>
-void launch_gemv_fp8_w(GemvArgs<T, Fp8> a, cudaStream_t s) {
+// A block per SM; K in chunks of 4 KiB where two stages fit beside x, else
+// 2 KiB (x's bound, kGemvFp8XBytes, leaves room for two); as many stages as
+// fit, at most kFp8MaxStages.
+template <typename T, int M, Prologue P, Epilogue E>
+void launch_gemv_fp8(GemvArgs<T, Fp8> a, cudaStream_t s) {
   constexpr int kCols = (E == Epilogue::kSiluMul || E == Epilogue::kRopeKV) ? 8 : 16;
   static bool opted_in = false;
-  auto kernel = gemv_fp8_kernel<T, M, W, P, E>;
-  const std::size_t smem = static_cast<std::size_t>(M) * a.k_in * (sizeof(T) + 1);
+  const std::size_t x_bytes = fp8_x_bytes<T, M, P>(a.k_in);
+  a.chunk = x_bytes + 2 * fp8_stage_bytes(4096) <= kFp8SmemBytes ? 4096 : 2048;
+  const int stage_bytes = fp8_stage_bytes(a.chunk);
+  a.stages = static_cast<int>(
+      std::min<std::size_t>(kFp8MaxStages, (kFp8SmemBytes - x_bytes) / stage_bytes));
   const int tiles = (a.n_out + kCols - 1) / kCols;
-  opt_in_smem(kernel, kGemvFp8SmemBytes, opted_in,
-              "gemv: shared memory opt-in");  // before the occupancy query
-  a.tiles_per_block = fp8_tiles_per_block(kernel, tiles, W * 32, smem);
-  a.fp8_run = g_fp8_gemv_run;
-  launch(kernel, a, (tiles + a.tiles_per_block - 1) / a.tiles_per_block, W * 32, smem,
-         kGemvFp8SmemBytes, opted_in, s, "gemv_fp8_kernel");
+  launch(gemv_fp8_kernel<T, M, P, E>, a, std::min(tiles, sm_count()), (kFp8Consumers + 1) * 32,
+         x_bytes + static_cast<std::size_t>(a.stages) * stage_bytes, kFp8SmemBytes, opted_in, s,
+         "gemv_fp8_kernel");
 }
 
 // Long rows (the down projection's K = 14336) take 8 warps a block, so one
 // staged copy of x serves twice the rows and the grid fits in one wave.
+// FP8 weights take their own kernel.
 template <typename T, typename TW, int M, Prologue P, Epilogue E>
 void launch_gemv(const GemvArgs<T, TW>& a, cudaStream_t s) {
   if constexpr (std::is_same_v<TW, Fp8>) {
-    require(static_cast<std::int64_t>(M) * a.k_in * (sizeof(T) + 1) <= kGemvFp8SmemBytes,
-            "gemv: FP8 weights need rows * K * 3 <= " + std::to_string(kGemvFp8SmemBytes) +
-                " bytes");
-    // Eight warps where the grid would not fill the GPU's block slots at
-    // four (o, qkv, down: 256-384 tiles), so that as many loads are in
-    // flight; and for long rows, so that one staged x serves twice the rows.
-    constexpr bool kPaired = E == Epilogue::kSiluMul || E == Epilogue::kRopeKV;
-    const int tiles = (a.n_out + (kPaired ? 8 : 16) - 1) / (kPaired ? 8 : 16);
-    if (a.k_in > 8192 || tiles < 4 * sm_count()) return launch_gemv_fp8_w<T, M, 8, P, E>(a, s);
-    return launch_gemv_fp8_w<T, M, 4, P, E>(a, s);
+    require(static_cast<std::int64_t>(M) * a.k_in * (P == Prologue::kRmsNorm ? sizeof(T) + 1 : 1) <=
+                kGemvFp8XBytes,
+            "gemv: FP8 weights need rows * K (rows * K * 3 with the norm) <= " +
+                std::to_string(kGemvFp8XBytes) + " bytes");
+    return launch_gemv_fp8<T, M, P, E>(a, s);
   } else {
     const bool smem_x = static_cast<std::int64_t>(M) * a.k_in * sizeof(T) <= kGemvSmemBytes;
     if constexpr (P == Prologue::kNone) {
@@ -639,16 +670,7 @@ void dispatch_gemv(const GemvArgs<T, TW>& a, int m, bool norm, GemvEpilogue epil
 }  // namespace
 
 void set_programmatic_launch(bool on) { g_programmatic_launch = on; }
-void set_fp8_gemv_max_tiles(int tiles) {
-  require(tiles >= 1 && tiles <= kGemvFp8MaxTiles, "gemv: FP8 tiles per block must be 1..4");
-  g_fp8_gemv_max_tiles = tiles;
-}
 bool programmatic_launch() { return g_programmatic_launch; }
-void set_fp8_gemv_run(int steps) {
-  require(steps >= 1 && steps <= 64, "gemv: FP8 steps per run must be 1..64");
-  g_fp8_gemv_run = steps;
-}
-
 namespace {
 
 void check_gemv_args(std::uintptr_t x, std::uintptr_t w, std::int64_t rows, std::int64_t n_out,

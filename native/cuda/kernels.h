@@ -73,22 +73,15 @@ void rotary_write_kv(std::uintptr_t q_out, std::uintptr_t q, std::int64_t q_stri
 // runs (the other kernels here signal it early), issues its first weight
 // loads, and waits for that kernel before reading x.
 // w_scale != 0: w is E4M3 [N, K] with a float32 scale per row at w_scale (K
-// a multiple of 64, at most 4 rows, rows * K * 3 <= kGemvFp8SmemBytes: x
-// staged in shared memory and quantized there, on the tensor cores); x is
-// quantized per row in the kernel exactly as quantize_fp8, and y is
-// fp8_linear_reference's product (before the epilogue, which is as above).
+// a multiple of 64, at most 4 rows, rows * K <= kGemvFp8XBytes, rows * K * 3
+// with the norm: x and its E4M3 copy live in shared memory beside the
+// weights' ring; on the tensor cores); x is quantized per row in the kernel
+// exactly as quantize_fp8, and y is fp8_linear_reference's product (before
+// the epilogue, which is as above).
 constexpr int kGemvMaxRows = 8;
 constexpr int kGemvMaxFusedRows = 4;  // with a norm or a non-store epilogue
 constexpr int kGemvSmemBytes = 64 * 1024;  // x staged in shared memory up to this size
-constexpr int kGemvFp8SmemBytes = 192 * 1024;  // FP8: x and its E4M3 copy
-// FP8: at most this many 16-row tiles per block (1: a block per tile, the
-// default), so that one x prologue serves more weights; see gemv.cu.
-constexpr int kGemvFp8MaxTiles = 4;
-void set_fp8_gemv_max_tiles(int tiles);
-// FP8 GEMV: a warp takes `steps` consecutive 64-byte steps of K at a time
-// (steps * 64 contiguous bytes of each row), then the next warps do; 1: the
-// warps take turns step by step.
-void set_fp8_gemv_run(int steps);
+constexpr int kGemvFp8XBytes = 144 * 1024;  // FP8: x (and, with the norm, its 16-bit copy)
 enum class GemvEpilogue : int { kStore = 0, kAddInto = 1, kSiluMul = 2 };
 void set_programmatic_launch(bool on);
 bool programmatic_launch();

@@ -147,9 +147,8 @@ class ModelRunner:
         if cfg.cuda_graphs and graphs_supported(self.model, self.kv_cache):
             self.graphs = DecodeGraphs(self.model, self.kv_cache, cfg.max_batch_size,
                                        self.max_model_len, scratch_block=num_blocks)
-            # Not in deterministic mode (docs/determinism.md), nor with FP8
-            # weights until their graphed prefill has run on a GPU.
-            if cfg.prefill_graph_tokens > 0 and not cfg.deterministic and not cfg.quantization:
+            # Not in deterministic mode (docs/determinism.md).
+            if cfg.prefill_graph_tokens > 0 and not cfg.deterministic:
                 self.prefill_graphs = PrefillGraphs(self.model, self.kv_cache,
                                                     cfg.prefill_graph_tokens,
                                                     self.max_model_len, scratch_block=num_blocks)

@@ -84,14 +84,6 @@ FUSED_GEMV_MAX_ROWS = 1
 # TURBOMQ_FP8_GEMV_MAX_ROWS overrides (0: never).
 _FP8_GEMM = hasattr(torch, "_scaled_mm")
 FP8_GEMV_MAX_ROWS = int(os.environ.get("TURBOMQ_FP8_GEMV_MAX_ROWS", "4"))
-# Up to this many 16-row weight tiles per FP8 GEMV block (one x prologue for
-# all of them) where the tiles outnumber the GPU's block slots; 1 until
-# measured on a GPU (TURBOMQ_FP8_GEMV_MAX_TILES=4 to try).
-FP8_GEMV_MAX_TILES = int(os.environ.get("TURBOMQ_FP8_GEMV_MAX_TILES", "1"))
-# 64-byte K steps an FP8 GEMV warp takes at a time (run * 64 contiguous bytes
-# of each row): 4 is as fast at one row and faster at four on long shapes
-# (docs/kernels.md, FP8 GEMV). TURBOMQ_FP8_GEMV_RUN=1: every W-th step.
-FP8_GEMV_RUN = int(os.environ.get("TURBOMQ_FP8_GEMV_RUN", "4"))
 # Paged attention launched as a programmatic dependent (where TURBOMQ_PDL is
 # on): it pulls its K/V rows into L2 while the qkv projection runs.
 ATTENTION_PDL = os.environ.get("TURBOMQ_ATTENTION_PDL", "1") != "0"
@@ -156,8 +148,6 @@ if _k is not None:
     _k.set_programmatic_launch(os.environ.get("TURBOMQ_PDL", "1") != "0")
     # and of paged attention (TURBOMQ_ATTENTION_PDL=0: attention alone off)
     _k.set_attention_programmatic(ATTENTION_PDL)
-    _k.set_fp8_gemv_max_tiles(FP8_GEMV_MAX_TILES)
-    _k.set_fp8_gemv_run(FP8_GEMV_RUN)
     set_invariant_wgmma(INVARIANT_WGMMA)
     _k.set_gemm_invariant_tma(INVARIANT_TMA)
     _k.set_prefill_attention_wgmma(PREFILL_WGMMA)
@@ -477,11 +467,12 @@ def quantize_fp8(x: torch.Tensor, norm: Optional[tuple[torch.Tensor, float]] = N
 
 def _fp8_gemv_ok(x: torch.Tensor, w: Fp8Weight, rows: int,
                  norm: Optional[tuple[torch.Tensor, float]]) -> bool:
-    """Whether the FP8 GEMV takes x (its rows staged in shared memory) and w."""
+    """Whether the FP8 GEMV takes x (its rows quantized in shared memory, and
+    staged there for the norm) and w."""
     k_in = x.shape[-1]
     return (0 < rows <= min(FP8_GEMV_MAX_ROWS, _k.GEMV_MAX_FUSED_ROWS if _k else 0)
             and _native_ok(x, w.data) and x.dtype in _HALF and k_in % 64 == 0
-            and rows * k_in * 3 <= _k.GEMV_FP8_SMEM_BYTES
+            and rows * k_in * (1 if norm is None else 3) <= _k.GEMV_FP8_X_BYTES
             and w.data.dim() == 2 and w.data.shape[1] == k_in and w.data.is_contiguous()
             and w.data.data_ptr() % 16 == 0 and w.scale.dtype == torch.float32
             and w.scale.is_contiguous() and w.scale.numel() == w.data.shape[0]

@@ -353,21 +353,6 @@ static_assert(kGemvFp8XBytes + 128 + 4 * 192 + 2 * 16 * (2048 + 64) <= kFp8SmemB
 // 64, so that lanes reading rows g and g + 1 hit different banks.
 __host__ __device__ __forceinline__ int fp8_x_pitch(int k_in) { return (k_in + 127) / 128 * 128 + 64; }
 
-__device__ __forceinline__ void bulk_copy(std::uint32_t dst, const void* src, std::uint32_t bytes,
-                                          std::uint32_t bar) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-          dst),
-      "l"(src), "r"(bytes), "r"(bar)
-      : "memory");
-}
-// One arrival on `bar` (the consumers' "stage free").
-__device__ __forceinline__ void mbarrier_arrive(std::uint32_t bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ void mbarrier_init_count(std::uint32_t bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
-}
 __device__ __forceinline__ std::uint32_t smem_addr(const void* p) {
   return static_cast<std::uint32_t>(__cvta_generic_to_shared(p));
 }
@@ -453,8 +438,8 @@ __global__ void __launch_bounds__((kFp8Consumers + 1) * 32)
   const int total = (t_end - t_begin) * chunks;  // stages: (tile, chunk), chunk fastest
   if (threadIdx.x == 0) {
     for (int i = 0; i < S; ++i) {
-      mbarrier_init_count(full + 8 * i, 1);
-      mbarrier_init_count(empty + 8 * i, kFp8Consumers);
+      mbarrier_init(full + 8 * i, 1);
+      mbarrier_init(empty + 8 * i, kFp8Consumers);
     }
     fence_mbarrier_init();
   }

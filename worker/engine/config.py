@@ -38,7 +38,7 @@ class EngineConfig:
     # With graphs: a step that prefills one sequence's 2..N new tokens (a
     # short prompt alone, a chat turn) replays one too, the tokens padded to
     # a bucket (docs/engine.md, "Prefill graphs"; 0: never). Not in
-    # deterministic mode, nor with FP8 weights (not yet run on a GPU).
+    # deterministic mode.
     prefill_graph_tokens: int = 512
     # With graphs: launch decode step t+1 before reading step t's tokens, so
     # the host's work between steps overlaps the GPU's.

@@ -12,20 +12,19 @@
 // silu_mul kernels (and their launch gaps) between the projections.
 //
 // FP8 weights (E4M3, a float scale per output channel) take their own
-// kernel on the FP8 tensor cores (mma.sync m16n8k32): converting 16 weights
-// per 16-byte load to float on the CUDA cores costs more issue slots than
-// the load itself. x is quantized per row (after the norm, if any) exactly
-// as quantize_fp8 does, once per block; weights stream through shared
-// memory in bulk copies (below, "FP8 weights"); each mma pair's sum of 64
-// products is added into fp32 registers (the tensor cores' own accumulation
-// is kept that short), and the fixed-order sum is scaled by (x scale) *
-// (weight scale) before the same epilogues as the 16-bit GEMV:
+// kernel on the tensor cores (mma.sync m16n8k32): converting 16 weights per
+// 16-byte load to float on the CUDA cores costs more issue slots than the
+// load itself. x is quantized per row (after the norm, if any) exactly as
+// quantize_fp8 does, once per block; weights go from HBM straight into the
+// mma's registers (below, "FP8, register-direct"); each step's sum of 64
+// products is added into fp32 registers (the tensor cores' own
+// accumulation is kept that short), and the fixed-order sum is scaled by
+// (x scale) * (weight scale) before the same epilogues as the 16-bit GEMV:
 // fp8_linear_reference's numbers, one launch per projection.
 #include <algorithm>
 #include <type_traits>
 
 #include "common.cuh"
-#include "tma.cuh"
 
 namespace turbomq {
 namespace cuda {
@@ -108,8 +107,6 @@ struct GemvArgs {
   const T* norm_w;  // kRmsNorm
   float eps;
   RopeKV rope;  // kRopeKV; y is q [rows, num_heads, d]
-  int stages = 0;  // FP8: ring stages in shared memory (set by the launcher)
-  int chunk = 0;   // FP8: bytes of K per row per stage (set by the launcher)
 };
 
 // Rows j and j + d/2 of one head: the rotation pair p.
@@ -326,40 +323,12 @@ __device__ __forceinline__ void mma_e4m3(float (&d)[4], std::uint32_t a0, std::u
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// ------------------------------------------------------------ FP8 weights
-// Laid out for bandwidth: a block per SM, one producer warp that streams
-// weight rows into a ring of shared-memory stages with bulk copies
-// (cp.async.bulk, completion counted in bytes on an mbarrier), and four
-// consumer warps. A block takes a contiguous range of 16-row tiles (ranges
-// differ by at most one tile); a stage is one tile's rows over a chunk of K,
-// a copy per row: a copy's fixed cost is what sets the chunk (measured on
-// the H100: 0.8 TB/s in 256-byte copies, 1.5 in 512, 2.4 in 4 KiB). The
-// consumers deal a stage's 64-byte steps among themselves, and at a tile's
-// end their four partial sums are added in warp order. So x is normalized
-// and quantized once per block (a block per tile paid that prologue 1,792
-// times on gate/up, and was issue-bound on it), and the weight stream never
-// drains between tiles. Before it waits for the previous kernel, the
-// producer fills the whole ring: the weights do not depend on it.
-constexpr int kFp8Consumers = 4;
-constexpr int kFp8MaxStages = 8;
-// Staged rows are chunk + 64 bytes apart: lanes reading rows g and g + 1 hit different banks.
-__host__ __device__ __forceinline__ int fp8_stage_bytes(int chunk) { return 16 * (chunk + 64); }
-// Dynamic shared memory, leaving the static part (sums, partials) under sm_90's 227 KiB.
+// Dynamic shared memory (the static part, x's partials, stays under sm_90's 227 KiB).
 constexpr int kFp8SmemBytes = 219 * 1024;
-static_assert(kGemvFp8XBytes + 128 + 4 * 192 + 2 * 16 * (2048 + 64) <= kFp8SmemBytes,
-              "x at its largest leaves two 2 KiB stages");
 
 // Bytes of x's E4M3 copy per row in shared memory: K rounded up to 128, plus
 // 64, so that lanes reading rows g and g + 1 hit different banks.
 __host__ __device__ __forceinline__ int fp8_x_pitch(int k_in) { return (k_in + 127) / 128 * 128 + 64; }
-
-__device__ __forceinline__ std::uint32_t smem_addr(const void* p) {
-  return static_cast<std::uint32_t>(__cvta_generic_to_shared(p));
-}
-// The consumer warps' barrier (the producer does not take part).
-__device__ __forceinline__ void consumers_sync() {
-  asm volatile("bar.sync 1, %0;" ::"n"(kFp8Consumers * 32) : "memory");
-}
 
 // x rows normalized (kRmsNorm: staged in `xs` first, as stage_x) and
 // quantized per row into `xq` (rows fp8_x_pitch bytes apart), exactly as
@@ -370,13 +339,14 @@ __device__ __forceinline__ void quantize_x(const GemvArgs<T, Fp8>& a, uint4* xs,
   constexpr int kThreads = W * 32;
   const int lane = threadIdx.x % 32;
   const int kxv = a.k_in / 8;
-  const int pitch = fp8_x_pitch(a.k_in) / 8;  // in 8-byte E4M3 groups
   const uint4* src = reinterpret_cast<const uint4*>(a.x);
   if constexpr (P == Prologue::kRmsNorm) {
     stage_x<T, Fp8, M, W, P>(a, xs, partial);
     src = xs;
   }
   auto value = [&](int i) { return P == Prologue::kRmsNorm ? src[i] : __ldcg(src + i); };
+  uint2* q = reinterpret_cast<uint2*>(xq);
+  const int pitch = fp8_x_pitch(a.k_in) / 8;  // in 8-byte E4M3 groups
 #pragma unroll
   for (int m = 0; m < M; ++m) {
     float amax = 0.0f;
@@ -399,7 +369,6 @@ __device__ __forceinline__ void quantize_x(const GemvArgs<T, Fp8>& a, uint4* xs,
     scale[m] = fp8_scale(amax);
     inv[m] = __frcp_rn(scale[m]);
   }
-  uint2* q = reinterpret_cast<uint2*>(xq);
 #pragma unroll
   for (int m = 0; m < M; ++m) {
     for (int i = threadIdx.x; i < kxv; i += kThreads) {
@@ -411,128 +380,153 @@ __device__ __forceinline__ void quantize_x(const GemvArgs<T, Fp8>& a, uint4* xs,
   __syncthreads();
 }
 
+
+// ------------------------------------------------------ FP8, register-direct
+// Weights go straight from HBM to the mma's A registers (16-byte streaming
+// loads, a ring of kFp8Ring steps in flight per lane), and every load
+// instruction reads whole 128-byte lines: the mma's 16 A rows are 8 weight
+// rows times two 64-byte K segments, and its 8 B columns are x's rows (at
+// most 4) times the same two segments. Lane (g, t) loads bytes [16 t, 16 t
+// + 16) of segment g % 2 of weight row g / 2 (and of row 4 + g / 2): the 8
+// lanes of a row cover 128 contiguous bytes. Of each 16 x 8 product only
+// the entries whose row and column segments agree are sums of the GEMV;
+// the two segments are added in order at the end. A tile is 8 weight rows
+// (8 output columns, or 4 row pairs for silu_mul and rope) over all of K
+// in 128-byte steps; a block takes a contiguous range of tiles and its
+// warps take steps warp, warp + W, ... of each, so x is normalized and
+// quantized once per block and a tile's sum is the same whatever the
+// block, the grid and the number of x rows: per warp, steps in order (each
+// the tensor cores' sum of 64 products added into fp32), then the segments,
+// then the warps in order. Measured on the H100 (docs/benchmarks/
+// fp8_gemv_direct_ab.txt): this beat a ring of bulk copies through shared
+// memory, a warp per row pair reading 512-byte windows, deeper rings (fewer
+// warps), and wgmma (native FP8, where mma.sync on E4M3 is emulated on
+// sm_90 through f16) fed from the same registers.
+constexpr int kFp8Warps = 8;
+constexpr int kFp8Ring = 8;       // 128-byte steps in flight per warp (two loads a lane each)
+constexpr int kFp8MaxTiles = 32;  // tiles per block (their partial sums stay in shared memory)
+
 template <typename T, int M, Prologue P, Epilogue E>
-__global__ void __launch_bounds__((kFp8Consumers + 1) * 32)
-    gemv_fp8_kernel(const GemvArgs<T, Fp8> a) {
-  static_assert(M <= 8, "x rows are the mma's 8 columns");
-  constexpr int W = kFp8Consumers + 1;
+__global__ void __launch_bounds__(kFp8Warps * 32) gemv_fp8_kernel(const GemvArgs<T, Fp8> a) {
+  static_assert(M <= 4, "x rows times two segments are the mma's 8 columns");
+  constexpr int W = kFp8Warps, kRing = kFp8Ring;
   constexpr bool kPaired = E == Epilogue::kSiluMul || E == Epilogue::kRopeKV;
-  constexpr int kCols = kPaired ? 8 : 16;  // output columns per tile
+  constexpr int kCols = kPaired ? 4 : 8;  // output columns per tile
+  constexpr int kStride = 128 * W;        // bytes from a warp's step to its next
   extern __shared__ __align__(128) std::uint8_t smem[];
   __shared__ float partial[W][M];
-  __shared__ float sums[2][kFp8Consumers][4][32];  // by tile parity; lane-major
   launch_dependents();
-  const int S = a.stages, chunk = a.chunk, pitch = chunk + 64, stage_bytes = fp8_stage_bytes(chunk);
-  // [full barriers][empty barriers] (128 bytes), the ring, x's E4M3 copy, staged x (norm).
-  const std::uint32_t full = smem_addr(smem), empty = full + 8 * kFp8MaxStages;
-  std::uint8_t* ring = smem + 128;
   const int x_pitch = fp8_x_pitch(a.k_in);
-  std::uint8_t* xq = ring + static_cast<std::size_t>(S) * stage_bytes;
-  uint4* xs = reinterpret_cast<uint4*>(xq + M * x_pitch);
+  // [kFp8MaxTiles + 1][8] byte offsets of the tiles' weight rows; x's E4M3
+  // rows and a row of zeros (the B columns past M); x staged for the norm;
+  // the warps' sums per tile.
+  auto* row_at = reinterpret_cast<std::int64_t*>(smem);
+  std::uint8_t* xq = smem + (kFp8MaxTiles + 1) * 8 * sizeof(std::int64_t);
+  uint4* xs = reinterpret_cast<uint4*>(xq + (M + 1) * x_pitch);
+  float* sums = reinterpret_cast<float*>(reinterpret_cast<std::uint8_t*>(xs) +
+                                         (P == Prologue::kRmsNorm ? M * a.k_in * sizeof(T) : 0));
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int hd = a.rope.head_dim;
   const int tiles = (a.n_out + kCols - 1) / kCols;
   const int t_begin = static_cast<int>(static_cast<std::int64_t>(blockIdx.x) * tiles / gridDim.x);
-  const int t_end = static_cast<int>(static_cast<std::int64_t>(blockIdx.x + 1) * tiles / gridDim.x);
-  const int chunks = (a.k_in + chunk - 1) / chunk;
-  const int total = (t_end - t_begin) * chunks;  // stages: (tile, chunk), chunk fastest
-  if (threadIdx.x == 0) {
-    for (int i = 0; i < S; ++i) {
-      mbarrier_init(full + 8 * i, 1);
-      mbarrier_init(empty + 8 * i, kFp8Consumers);
-    }
-    fence_mbarrier_init();
+  const int n_tiles =
+      static_cast<int>(static_cast<std::int64_t>(blockIdx.x + 1) * tiles / gridDim.x) - t_begin;
+  for (int i = threadIdx.x; i < (n_tiles + 1) * 8; i += W * 32) {
+    const int tile = t_begin + i / 8, r = i % 8;
+    const int row = i >= n_tiles * 8 ? 0
+                    : kPaired        ? weight_row<E>(tile * kCols + r % 4, r / 4, a.n_out, hd)
+                                     : weight_row<E>(tile * kCols + r, 0, a.n_out, hd);
+    row_at[i] = static_cast<std::int64_t>(row) * a.k_in;
+  }
+  for (int i = threadIdx.x; i < x_pitch / 16; i += W * 32) {
+    reinterpret_cast<uint4*>(xq + M * x_pitch)[i] = make_uint4(0, 0, 0, 0);
   }
   __syncthreads();
-
-  // Weight row r (0..15) of tile tt: rows g and g + 8 of the mma's A.
-  auto weight_row_of = [&](int tt, int r) {
-    const int c0 = tt * kCols;
-    if constexpr (kPaired) return weight_row<E>(c0 + r % 8, r / 8, a.n_out, hd);
-    return weight_row<E>(c0 + r, 0, a.n_out, hd);
-  };
-  const std::uint8_t* w = reinterpret_cast<const std::uint8_t*>(a.w);
-  int issued = 0;
-  auto issue = [&](int i) {  // stage i into slot i % S, once the consumers are done with it
-    const int slot = i % S;
-    if (i >= S) mbarrier_wait(empty + 8 * slot, (i / S - 1) & 1);
-    const int tile = t_begin + i / chunks, kc = i % chunks;
-    const int bytes = min(chunk, a.k_in - kc * chunk);
-    if (lane == 0) mbarrier_expect_bytes(full + 8 * slot, 16 * bytes);
-    __syncwarp();
-    if (lane < 16) {
-      const std::int64_t row = weight_row_of(tile, lane);
-      bulk_copy(smem_addr(ring) + slot * stage_bytes + lane * pitch,
-                w + row * a.k_in + static_cast<std::int64_t>(kc) * chunk, bytes, full + 8 * slot);
+  const int steps = a.k_in / 128;
+  const int mine = steps > warp ? (steps - warp + W - 1) / W : 0;  // this warp's steps a tile
+  const int items = n_tiles * mine;
+  const int g = lane / 4, t = lane % 4;
+  // This lane's A rows: segment g % 2 of tile rows g / 2 and 4 + g / 2.
+  const std::uint8_t* w =
+      reinterpret_cast<const std::uint8_t*>(a.w) + 64 * (g % 2) + 16 * t + 128 * warp;
+  const std::int64_t* rows = row_at + g / 2;
+  const std::uint8_t *pa = w + rows[0], *pb = w + rows[4];
+  int l_step = 0;
+  auto load_next = [&](uint4& va, uint4& vb) {
+    va = load_stream(reinterpret_cast<const uint4*>(pa));
+    vb = load_stream(reinterpret_cast<const uint4*>(pb));
+    pa += kStride;
+    pb += kStride;
+    if (++l_step == mine) {  // the next tile (the table's last entry: past the block's)
+      l_step = 0;
+      rows += 8;
+      pa = w + rows[0];
+      pb = w + rows[4];
     }
   };
-  if (warp == kFp8Consumers) {
-    for (; issued < min(S, total); ++issued) issue(issued);  // independent of the previous kernel
+  uint4 va[kRing], vb[kRing];
+#pragma unroll
+  for (int u = 0; u < kRing; ++u) {
+    if (u < items) load_next(va[u], vb[u]);  // independent of the previous kernel
   }
 
   grid_dependency_wait();
   float sx[M];
   quantize_x<T, M, W, P>(a, xs, xq, partial, sx);
 
-  if (warp == kFp8Consumers) {
-    for (; issued < total; ++issued) issue(issued);
-    return;
-  }
-  const int g = lane / 4, t = lane % 4;
-  const uint4* xrow = reinterpret_cast<const uint4*>(xq + g * x_pitch) + t;
+  // This lane's B column g: segment g / 4 of x row g % 4 (the zero row past M).
+  const std::uint8_t* x_first =
+      xq + min(g % 4, M) * x_pitch + 64 * (g / 4) + 16 * t + 128 * warp;
+  const std::uint8_t* xk = x_first;
+  float* out = sums + warp * 32;
   float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-  for (int i = 0; i < total; ++i) {
-    const int slot = i % S;
-    const int tile = t_begin + i / chunks, kc = i % chunks;
-    const int steps = min(chunk, a.k_in - kc * chunk) / 64;
-    mbarrier_wait(full + 8 * slot, (i / S) & 1);
-    const uint4* ra = reinterpret_cast<const uint4*>(ring + slot * stage_bytes + g * pitch) + t;
-    const uint4* rb = ra + 8 * pitch / 16;
-    const uint4* xk = xrow + kc * chunk / 16;
-#pragma unroll 4
-    for (int st = warp; st < steps; st += kFp8Consumers) {
-      const uint4 va = ra[4 * st], vb = rb[4 * st];
-      const uint4 b = g < M ? xk[4 * st] : make_uint4(0, 0, 0, 0);
-      float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-      mma_e4m3(d, va.x, vb.x, va.y, vb.y, b.x, b.y);
-      mma_e4m3(d, va.z, vb.z, va.w, vb.w, b.z, b.w);
+  int c_step = 0;
+  for (int j0 = 0; j0 < items; j0 += kRing) {
 #pragma unroll
-      for (int j = 0; j < 4; ++j) acc[j] += d[j];
-    }
-    __syncwarp();
-    if (lane == 0) mbarrier_arrive(empty + 8 * slot);
-    if (kc < chunks - 1) continue;
-    // The tile's end: warp 0 adds the four partial sums in order and stores.
-    const int buf = (tile - t_begin) & 1;
+    for (int u = 0; u < kRing; ++u) {
+      if (j0 + u < items) {  // the same for the whole warp
+        const uint4 b = *reinterpret_cast<const uint4*>(xk);
+        xk += kStride;
+        float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        mma_e4m3(d, va[u].x, vb[u].x, va[u].y, vb[u].y, b.x, b.y);
+        mma_e4m3(d, va[u].z, vb[u].z, va[u].w, vb[u].w, b.z, b.w);
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      sums[buf][warp][j][lane] = acc[j];
-      acc[j] = 0.0f;
-    }
-    consumers_sync();
-    if (warp != 0) continue;
-    float v[4];
+        for (int j = 0; j < 4; ++j) acc[j] += d[j];
+        if (j0 + u + kRing < items) load_next(va[u], vb[u]);
+        if (++c_step == mine) {
+          // The tile's end: lane 8 r + h (h < 2) adds segment 1 (lane + 6) to
+          // segment 0 for tile rows r and 4 + r, x rows 2 h and 2 h + 1.
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      v[j] = 0.0f;
-#pragma unroll
-      for (int w4 = 0; w4 < kFp8Consumers; ++w4) v[j] += sums[buf][w4][j][lane];
-    }
-    const int c0 = tile * kCols;
-    const float wsa = __ldg(a.w_scale + weight_row_of(tile, g)),
-                wsb = __ldg(a.w_scale + weight_row_of(tile, g + 8));
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      const int m = 2 * t + j;
-      if (m >= M) continue;
-      const float lo = v[j] * sx[m] * wsa, hi = v[2 + j] * sx[m] * wsb;  // as the reference
-      if constexpr (kPaired) {
-        if (c0 + g < a.n_out) store_output<T, Fp8, E>(a, m, c0 + g, lo, hi);
-      } else {
-        if (c0 + g < a.n_out) store_output<T, Fp8, E>(a, m, c0 + g, lo, 0.0f);
-        if (c0 + 8 + g < a.n_out) store_output<T, Fp8, E>(a, m, c0 + 8 + g, hi, 0.0f);
+          for (int j = 0; j < 4; ++j) {
+            const float v = acc[j] + __shfl_down_sync(0xffffffffu, acc[j], 6);
+            if (lane % 8 < 2) out[(lane / 8 + 4 * (j / 2)) * 4 + 2 * (lane % 8) + j % 2] = v;
+            acc[j] = 0.0f;
+          }
+          out += W * 32;
+          xk = x_first;
+          c_step = 0;
+        }
       }
     }
+  }
+  __syncthreads();
+  // The epilogue: a thread per (tile, column, x row) adds the warps' sums in order.
+  const int warps = min(W, steps);
+  constexpr int kPer = kCols * M;
+  for (int i = threadIdx.x; i < n_tiles * kPer; i += W * 32) {
+    const int tl = i / kPer, c = i % kPer / M, m = i % M;
+    const int col = (t_begin + tl) * kCols + c;
+    if (col >= a.n_out) continue;
+    auto total = [&](int r) {
+      float v = 0.0f;
+      for (int wi = 0; wi < warps; ++wi) v += sums[(tl * W + wi) * 32 + r * 4 + m];
+      return v;
+    };
+    const float lo = total(c) * sx[m] * __ldg(a.w_scale + weight_row<E>(col, 0, a.n_out, hd));
+    const float hi =
+        kPaired ? total(c + 4) * sx[m] * __ldg(a.w_scale + weight_row<E>(col, 1, a.n_out, hd))
+                : 0.0f;
+    store_output<T, Fp8, E>(a, m, col, lo, hi);
   }
 }
 
@@ -560,30 +554,23 @@ void launch_gemv_x(const GemvArgs<T, T>& a, cudaStream_t s) {
          kGemvSmemBytes, opted_in, s, "gemv_kernel");
 }
 
-// Dynamic shared memory of the FP8 GEMV besides its ring: barriers, x's
-// E4M3 copy, and x staged for the norm.
-template <typename T, int M, Prologue P>
-std::size_t fp8_x_bytes(int k_in) {
-  return 128 + static_cast<std::size_t>(M) * fp8_x_pitch(k_in) +
-         (P == Prologue::kRmsNorm ? static_cast<std::size_t>(M) * k_in * sizeof(T) : 0);
-}
-
-// A block per SM; K in chunks of 4 KiB where two stages fit beside x, else
-// 2 KiB (x's bound, kGemvFp8XBytes, leaves room for two); as many stages as
-// fit, at most kFp8MaxStages.
+// Two blocks an SM (their registers fill it), more where a block would
+// take over kFp8MaxTiles tiles.
 template <typename T, int M, Prologue P, Epilogue E>
-void launch_gemv_fp8(GemvArgs<T, Fp8> a, cudaStream_t s) {
-  constexpr int kCols = (E == Epilogue::kSiluMul || E == Epilogue::kRopeKV) ? 8 : 16;
+void launch_gemv_fp8(const GemvArgs<T, Fp8>& a, cudaStream_t s) {
+  constexpr int kCols = (E == Epilogue::kSiluMul || E == Epilogue::kRopeKV) ? 4 : 8;
   static bool opted_in = false;
-  const std::size_t x_bytes = fp8_x_bytes<T, M, P>(a.k_in);
-  a.chunk = x_bytes + 2 * fp8_stage_bytes(4096) <= kFp8SmemBytes ? 4096 : 2048;
-  const int stage_bytes = fp8_stage_bytes(a.chunk);
-  a.stages = static_cast<int>(
-      std::min<std::size_t>(kFp8MaxStages, (kFp8SmemBytes - x_bytes) / stage_bytes));
   const int tiles = (a.n_out + kCols - 1) / kCols;
-  launch(gemv_fp8_kernel<T, M, P, E>, a, std::min(tiles, sm_count()), (kFp8Consumers + 1) * 32,
-         x_bytes + static_cast<std::size_t>(a.stages) * stage_bytes, kFp8SmemBytes, opted_in, s,
-         "gemv_fp8_kernel");
+  const int blocks =
+      std::min(tiles, std::max(2 * sm_count(), (tiles + kFp8MaxTiles - 1) / kFp8MaxTiles));
+  const int per_block = (tiles + blocks - 1) / blocks;
+  const std::size_t smem =
+      (kFp8MaxTiles + 1) * 8 * sizeof(std::int64_t) +
+      static_cast<std::size_t>(M + 1) * fp8_x_pitch(a.k_in) +
+      (P == Prologue::kRmsNorm ? static_cast<std::size_t>(M) * a.k_in * sizeof(T) : 0) +
+      static_cast<std::size_t>(per_block) * kFp8Warps * 32 * sizeof(float);
+  launch(gemv_fp8_kernel<T, M, P, E>, a, blocks, kFp8Warps * 32, smem, kFp8SmemBytes, opted_in,
+         s, "gemv_fp8_kernel");
 }
 
 // Long rows (the down projection's K = 14336) take 8 warps a block, so one
@@ -664,7 +651,7 @@ void check_gemv_args(std::uintptr_t x, std::uintptr_t w, std::int64_t rows, std:
   require(dtype == DType::kF16 || dtype == DType::kBF16, "gemv: dtype must be float16 or bfloat16");
   require(rows >= 1 && rows <= kGemvMaxRows, "gemv: rows must be 1..8");
   require(k_in > 0 && k_in % 8 == 0 && n_out > 0, "gemv: K must be a positive multiple of 8");
-  require(w_scale == 0 || k_in % 64 == 0, "gemv: FP8 weights need K a multiple of 64");
+  require(w_scale == 0 || k_in % 128 == 0, "gemv: FP8 weights need K a multiple of 128");
   require(x % 16 == 0 && w % 16 == 0 && norm_weight % 16 == 0 && w_scale % 4 == 0,
           "gemv: x, w and the norm weight must be 16-byte aligned, the scales 4-byte");
   require(n_out < (1LL << 30) && k_in < (1LL << 31), "gemv: sizes too large");

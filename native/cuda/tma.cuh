@@ -19,13 +19,9 @@
 namespace turbomq {
 namespace cuda {
 
-// mbarrier at shared address `bar`, expecting `arrivals` arrivals per phase.
-__device__ __forceinline__ void mbarrier_init(std::uint32_t bar, int arrivals = 1) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(arrivals) : "memory");
-}
-// One arrival on `bar`, without bytes (a consumer's "stage free").
-__device__ __forceinline__ void mbarrier_arrive(std::uint32_t bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+// mbarrier at shared address `bar`, expecting one arrival per phase.
+__device__ __forceinline__ void mbarrier_init(std::uint32_t bar) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar) : "memory");
 }
 // Makes initialized mbarriers visible to the copies that complete on them
 // (the block syncs after it).
@@ -47,17 +43,6 @@ __device__ __forceinline__ void mbarrier_wait(std::uint32_t bar, int parity) {
       "@!done bra TURBOMQ_MBARRIER_WAIT;\n"
       "}\n" ::"r"(bar),
       "r"(parity)
-      : "memory");
-}
-
-// `bytes` (a multiple of 16, both addresses 16-byte aligned) from global
-// `src` to shared `dst`, completing on `bar`: a plain bulk copy, no map.
-__device__ __forceinline__ void bulk_copy(std::uint32_t dst, const void* src, std::uint32_t bytes,
-                                          std::uint32_t bar) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-          dst),
-      "l"(src), "r"(bytes), "r"(bar)
       : "memory");
 }
 

@@ -71,12 +71,10 @@ def _exact_fp8_product(x: torch.Tensor, w) -> torch.Tensor:
     return (q.double() @ w.data.double().T) * sx.double() * w.scale.double()[None, :]
 
 
-# Llama-3-8B's qkv and down projections (K = 14336: three 4 KiB chunks and
-# a 2 KiB one), SmolLM2's gate/up (K = 576: nine 64-byte steps, a chunk
-# short of the four warps' share), a tile past n_out, at 1-4 rows; and a
-# K long enough (28672: x takes 112 KiB at 4 rows) that the kernel streams
-# 2 KiB chunks.
-GEMV_CASES = [(rows, n, k) for n, k in [(6144, 4096), (4096, 14336), (3072, 576), (40, 1536)]
+# Llama-3-8B's qkv and down projections, a K of five 128-byte steps (fewer
+# than the block's warps), a tile past n_out, at 1-4 rows; and a K long
+# enough (28672: x takes 112 KiB at 4 rows) to fill most of shared memory.
+GEMV_CASES = [(rows, n, k) for n, k in [(6144, 4096), (4096, 14336), (3072, 640), (40, 1536)]
               for rows in (1, 2, 3, 4)] + [(4, 264, 28672)]
 
 
@@ -92,6 +90,17 @@ def test_fp8_gemv_equals_the_reference_product(rows, n, k, dtype):
     # one rounding to dtype, plus fp32 summation noise
     torch.testing.assert_close(got.double(), want.to(dtype).double(), rtol=2 ** -7,
                                atol=1e-4 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336), (3072, 640)])
+def test_fp8_gemv_row_does_not_depend_on_the_rows_beside_it(n, k):
+    """Batch invariance: a row's product is the same bits at 1-4 rows."""
+    g = torch.Generator(device="cuda").manual_seed(n + k)
+    x = torch.randn(4, k, generator=g, device="cuda", dtype=torch.bfloat16)
+    w = quantize_weight(torch.randn(n, k, generator=g, device="cuda") * 0.02)
+    alone = torch.cat([cuda_ops.linear(x[i:i + 1], w) for i in range(4)])
+    for rows in (2, 3, 4):
+        assert torch.equal(cuda_ops.linear(x[:rows], w), alone[:rows])
 
 
 @pytest.mark.parametrize("rows", [1, 4])

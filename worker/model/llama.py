@@ -92,6 +92,8 @@ class LlamaModel:
         self.quantization = quantization
         self.norm = take("norm.weight")
         self.lm_head = take("lm_head.weight")
+        if quantization == "fp8":  # batch-1 decode reads it every step: a tenth of the weights
+            self.lm_head = quantize_weight(self.lm_head)
         self.cos_sin = cos_sin_table(config, config.max_position_embeddings, self.device)
         self.scale = config.head_dim ** -0.5
 

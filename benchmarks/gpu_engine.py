@@ -95,14 +95,17 @@ def random_tensors(cfg: ModelConfig) -> dict[str, torch.Tensor]:
 
 def weight_bytes_per_token(cfg: ModelConfig, quantization: Optional[str] = None) -> int:
     """Bytes a decode step must read per token at batch 1: every weight but the
-    embedding table (one row of it), plus that row. FP8: the projections at
-    one byte a weight plus a float scale per output row."""
+    embedding table (one row of it), plus that row. FP8: the projections (and,
+    with fp8-lm-head, the LM head) at one byte a weight plus a float scale per
+    output row."""
     h, inter = cfg.hidden_size, cfg.intermediate_size
     rows = (cfg.q_size + 2 * cfg.kv_size) + h + 2 * inter + h  # qkv, o, gate_up, down
     projections = (cfg.q_size + 2 * cfg.kv_size) * h + h * cfg.q_size + 3 * inter * h
-    per_weight, per_row = (1, 4) if quantization == "fp8" else (2, 0)
+    per_weight, per_row = (1, 4) if quantization else (2, 0)
     per_layer = projections * per_weight + rows * per_row + 2 * h * 2
-    return cfg.num_layers * per_layer + 2 * (cfg.vocab_size * h + 2 * h)
+    lm_head = (cfg.vocab_size * (h + 4) if quantization == "fp8-lm-head"
+               else 2 * cfg.vocab_size * h)
+    return cfg.num_layers * per_layer + lm_head + 2 * (2 * h)
 
 
 def sharegpt_like(n: int, seed: int = 0) -> list[tuple[list[int], int]]:

@@ -61,16 +61,18 @@ def test_fp8_engine_runs_and_refuses_what_it_cannot_do():
         demo_engine(quantization="int4")
 
 
-def test_real_model_logits_stay_within_the_documented_error():
+@pytest.mark.parametrize("mode", ["fp8", "fp8-lm-head"])
+def test_real_model_logits_stay_within_the_documented_error(mode):
     """SmolLM2-135M-Instruct, fp32 compute: FP8 weights and activations
     against the unquantized model over the fixed prompt set. Measured: top-1
-    agreement 60 of 71 positions, KL 0.018-0.069 per prompt (docs/weights.md);
-    bounds with some room."""
+    agreement 59 of 71 positions, KL 0.017-0.055 per prompt; with the LM head
+    in FP8 62 of 71, KL 0.037-0.060 (docs/weights.md); bounds with some room."""
     path = smollm2_gguf()
     ck = load_checkpoint(path)
     tok = Tokenizer.from_dir(path)
     base = LlamaModel(ck.config, ck.tensors, "cpu", torch.float32)
-    fp8 = LlamaModel(ck.config, ck.tensors, "cpu", torch.float32, quantization="fp8")
+    fp8 = LlamaModel(ck.config, ck.tensors, "cpu", torch.float32, quantization=mode)
+    assert isinstance(fp8.lm_head, Fp8Weight) == (mode == "fp8-lm-head")
     agree = total = 0
     for text in TEXTS:
         ids = torch.tensor(tok.encode(text))

@@ -11,6 +11,8 @@ import signal
 import sys
 from typing import Optional, Sequence
 
+from ..model.config import QUANTIZATIONS
+
 
 def _int_list(text: str) -> list[int]:
     try:
@@ -43,9 +45,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--deterministic", action="store_true",
                    help="batch-invariant kernels: the same tokens whatever the batch, chunking "
                         "or eviction (docs/determinism.md)")
-    p.add_argument("--quantization", choices=["fp8"], default=None,
+    p.add_argument("--quantization", choices=list(QUANTIZATIONS), default=None,
                    help="fp8: the layers' projections in E4M3 with per-channel scales, converted "
-                        "at load (docs/weights.md)")
+                        "at load; fp8-lm-head: the LM head too (docs/weights.md)")
 
 
 def _engine_config(args: argparse.Namespace):
@@ -340,7 +342,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false")
     p.add_argument("--deterministic", action="store_true",
                    help="batch-invariant kernels on every worker (docs/determinism.md)")
-    p.add_argument("--quantization", choices=["fp8"], default=None,
+    p.add_argument("--quantization", choices=list(QUANTIZATIONS), default=None,
                    help="fp8 weights on every worker (docs/weights.md)")
     p.add_argument("--curve", action="store_true",
                    help="CurveZMQ on every link, with keys made for this run (docs/security.md)")

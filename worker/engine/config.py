@@ -53,4 +53,5 @@ class EngineConfig:
     deterministic: bool = False
     # "fp8": the layers' projections in E4M3 with per-channel scales, converted
     # at load; activations quantized per token (docs/weights.md, "FP8").
+    # "fp8-lm-head": the LM head too.
     quantization: Optional[str] = None

@@ -9,6 +9,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+# Weight quantizations at load (ops/fp8.py): "fp8" the layers' projections,
+# "fp8-lm-head" the LM head too.
+QUANTIZATIONS = ("fp8", "fp8-lm-head")
+
 
 class ConfigError(ValueError):
     """A checkpoint's configuration is missing a field or asks for something unsupported."""

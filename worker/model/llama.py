@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from .config import ModelConfig
+from .config import QUANTIZATIONS, ModelConfig
 
 from .parallel import shard_weight, vocab_parallel
 
@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from .parallel import TensorParallel
 from .kv_cache import PagedKVCache
 from .ops import AttentionBatch, ops_for
-from .ops.fp8 import FP8, QUANTIZATIONS, QUANTIZED, Fp8Weight, quantize_weight
+from .ops.fp8 import FP8, QUANTIZED, Fp8Weight, quantize_weight
 from .ops.invariant import InvariantOps
 from .rotary import cos_sin_table
 
@@ -44,8 +44,9 @@ class LlamaModel:
         """With `tp`, this rank's slice of each layer (model/parallel.py).
         `deterministic`: batch-invariant ops (ops/invariant.py), so a token's
         logits do not depend on the rest of the batch. `quantization="fp8"`:
-        the layers' projections in E4M3 with per-channel scales (ops/fp8.py). Tensors already on
-        `device` in `dtype` are shared, not copied."""
+        the layers' projections in E4M3 with per-channel scales (ops/fp8.py);
+        "fp8-lm-head": the LM head too. Tensors already on `device` in
+        `dtype` are shared, not copied."""
         self.config = config
         self.tp = tp
         ranks = tp.size if tp is not None else 1
@@ -81,7 +82,7 @@ class LlamaModel:
             quantization = quantization or "fp8"  # an FP8 checkpoint runs as such
         if quantization not in (None, *QUANTIZATIONS):
             raise ValueError(f"unknown quantization {quantization!r}; one of {QUANTIZATIONS}")
-        if quantization == "fp8":
+        if quantization in QUANTIZATIONS:
             if deterministic:
                 raise ValueError("deterministic mode runs 16-bit weights, not fp8")
             for i, layer in enumerate(self.layers):
@@ -92,7 +93,7 @@ class LlamaModel:
         self.quantization = quantization
         self.norm = take("norm.weight")
         self.lm_head = take("lm_head.weight")
-        if quantization == "fp8":  # batch-1 decode reads it every step: a tenth of the weights
+        if quantization == "fp8-lm-head":  # batch-1 decode reads it every step
             self.lm_head = quantize_weight(self.lm_head)
         self.cos_sin = cos_sin_table(config, config.max_position_embeddings, self.device)
         self.scale = config.head_dim ** -0.5

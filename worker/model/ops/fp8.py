@@ -1,12 +1,13 @@
 """FP8 weights (`--quantization fp8`): the projections of every layer stored
 as E4M3 with one float32 scale per output channel, converted at load from a
-16- or 32-bit checkpoint. Activations are quantized per token on the fly, so
-the product runs on FP8 tensor cores (cuda.py: torch._scaled_mm, the
-scales applied in its epilogue) or, in the reference, as the same rounding
-followed by an fp32 matmul.
+16- or 32-bit checkpoint; `fp8-lm-head`: the LM head too. Activations are
+quantized per token on the fly, so the product runs on FP8 tensor cores
+(cuda.py: torch._scaled_mm, the scales applied in its epilogue, or the FP8
+GEMV) or, in the reference, as the same rounding followed by an fp32
+matmul.
 
-What stays in the checkpoint's dtype: the embedding, the norms and the LM
-head (its logits are the output; the cost of keeping it is one GEMM).
+What stays in the checkpoint's dtype: the embedding, the norms and (with
+`fp8`) the LM head: on a small model its FP8 logits change answers.
 docs/weights.md, "FP8", has the error this costs on a real model."""
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ FP8_MAX = 448.0  # largest finite E4M3 value
 # scalar as a multiply by its reciprocal, so this is the one rounding every
 # device and the fused kernel (native/cuda/quant.cu) share.
 FP8_MAX_INV = 1.0 / FP8_MAX
-QUANTIZATIONS = ("fp8",)
 QUANTIZED = ("qkv", "o", "gate_up", "down")  # per-layer weights that go to FP8
 
 

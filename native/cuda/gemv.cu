@@ -579,9 +579,11 @@ void launch_gemv_fp8(const GemvArgs<T, Fp8>& a, cudaStream_t s) {
 template <typename T, typename TW, int M, Prologue P, Epilogue E>
 void launch_gemv(const GemvArgs<T, TW>& a, cudaStream_t s) {
   if constexpr (std::is_same_v<TW, Fp8>) {
-    require(static_cast<std::int64_t>(M) * a.k_in * (P == Prologue::kRmsNorm ? sizeof(T) + 1 : 1) <=
+    // x's E4M3 rows and the zero row, and the 16-bit rows the norm stages.
+    require(static_cast<std::int64_t>(M + 1) * a.k_in +
+                    (P == Prologue::kRmsNorm ? static_cast<std::int64_t>(M) * a.k_in * sizeof(T) : 0) <=
                 kGemvFp8XBytes,
-            "gemv: FP8 weights need rows * K (rows * K * 3 with the norm) <= " +
+            "gemv: FP8 weights need (rows + 1) * K (+ rows * K * 2 with the norm) <= " +
                 std::to_string(kGemvFp8XBytes) + " bytes");
     return launch_gemv_fp8<T, M, P, E>(a, s);
   } else {

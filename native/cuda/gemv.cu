@@ -327,7 +327,7 @@ __device__ __forceinline__ void mma_e4m3(float (&d)[4], std::uint32_t a0, std::u
 constexpr int kFp8SmemBytes = 219 * 1024;
 
 // Bytes of x's E4M3 copy per row in shared memory: K rounded up to 128, plus
-// 64, so that lanes reading rows g and g + 1 hit different banks.
+// 64, so that lanes reading x rows m and m + 1 hit different banks.
 __host__ __device__ __forceinline__ int fp8_x_pitch(int k_in) { return (k_in + 127) / 128 * 128 + 64; }
 
 // x rows normalized (kRmsNorm: staged in `xs` first, as stage_x) and

@@ -1,5 +1,6 @@
 """The tensor-parallel all-reduce on two GPUs: NCCL against the peer-memory
-kernel (native/cuda/all_reduce.cu) pulling and pushing, per call, as decode
+kernel (native/cuda/all_reduce.cu) pulling, pushing, and its low-latency
+kernel (LL: data and call number in each line; up to 256 KiB), per call, as decode
 runs it: 64 calls in a row (two a layer of a 32-layer model), each adding
 the sum into the residual stream, captured once as a CUDA graph and
 replayed; from one decode row to 1024 (a large decode batch), where the
@@ -23,8 +24,8 @@ import torch
 CALLS = 64  # per graph: a 32-layer model's all-reduces of one decode step
 REPLAYS = 50
 HIDDEN = 4096
-ROWS = (1, 8, 64, 128, 256, 512, 1024)
-MODES = ("NCCL", "peer, pull", "peer, push")
+ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+MODES = ("NCCL", "peer, pull", "peer, push", "peer, LL")
 
 
 def _rank(rank: int, port: int, results) -> None:
@@ -40,8 +41,12 @@ def _rank(rank: int, port: int, results) -> None:
         out = {}
         for mode in MODES:
             if mode != "NCCL":
-                cuda_ops._k.set_all_reduce_push(mode.endswith("push"))
+                cuda_ops._k.set_all_reduce_push(not mode.endswith("pull"))
+                ll = cuda_ops._k.ALL_REDUCE_LL_MAX_BYTES if mode.endswith("LL") else 0
+                cuda_ops._k.set_all_reduce_ll_bytes(ll)
             for rows in ROWS:
+                if mode.endswith("LL") and rows * HIDDEN * 2 > ll:
+                    continue  # past the LL kernel's sizes
                 x = torch.randn(rows, HIDDEN, device="cuda", dtype=torch.bfloat16)
                 res = torch.zeros_like(x)
                 assert mode == "NCCL" or tp.peer.fits(x), f"{rows} rows exceed the peer buffer"
@@ -90,7 +95,8 @@ def write_report(out: Path, r: dict) -> None:
             "| rows | " + " | ".join(MODES) + " |",
             "| ---: |" + " ---: |" * len(MODES)]
     for n in ROWS:
-        rows.append(f"| {n} | " + " | ".join(f"{r['us'][f'{m}|{n}']:.1f}" for m in MODES) + " |")
+        cells = (r["us"].get(f"{m}|{n}") for m in MODES)
+        rows.append(f"| {n} | " + " | ".join("" if c is None else f"{c:.1f}" for c in cells) + " |")
     rows += ["", "docs/engine.md, Tensor parallel; native/cuda/all_reduce.cu."]
     (out / "all_reduce.md").write_text("\n".join(rows) + "\n")
     (out / "all_reduce.json").write_text(json.dumps(r, indent=2) + "\n")

@@ -3,10 +3,10 @@ with random bf16 weights (written once as a converted checkpoint: every rank
 loads its slice from it).
 
 Engines one after the other, in one run, all with CUDA graphs: one GPU (at
---max-batch-size, twice and four times that); two GPUs with every
+--max-batch-size, and 2, 4, 8 and 16 times that); two GPUs with every
 all-reduce through NCCL; two GPUs with the small all-reduces through peer
-memory (the default), and again with twice and four times the batch (the
-pool holds twice the tokens). Each: decode at batch 1 (prompt 128, 256 new
+memory, without and with (the default) its low-latency kernel for decode's, and again with 2, 4, 8 and 16 times the batch (the
+pool holds twice the tokens). --only picks the engines of a run. Each: decode at batch 1 (prompt 128, 256 new
 tokens), an offline
 batch of ShareGPT-like requests, and its KV pool size. --profile adds
 torch.profiler tables of each engine's prefill and batch-1 decode on rank 0.
@@ -34,23 +34,32 @@ from turbomq.worker import Engine, EngineConfig, SamplingParams
 from turbomq.worker.model import parallel
 from turbomq.worker.model.weights import Checkpoint, save_converted
 
-# (name, engine config, decode's all-reduce: "nccl" or "peer", batch
+# (name, engine config, decode's all-reduce: "nccl", "peer" or "peer-no-ll", batch
 # multiple of --max-batch-size)
 CASES = [("1 GPU", dict(tensor_parallel=1), "peer", 1),
          ("1 GPU, 2x batch", dict(tensor_parallel=1), "peer", 2),
          ("1 GPU, 4x batch", dict(tensor_parallel=1), "peer", 4),
+         ("1 GPU, 8x batch", dict(tensor_parallel=1), "peer", 8),
+         ("1 GPU, 16x batch", dict(tensor_parallel=1), "peer", 16),
          ("2 GPUs, NCCL all-reduce", dict(tensor_parallel=2), "nccl", 1),
+         ("2 GPUs, peer all-reduce, no LL", dict(tensor_parallel=2), "peer-no-ll", 1),
          ("2 GPUs, peer all-reduce", dict(tensor_parallel=2), "peer", 1),
          ("2 GPUs, peer all-reduce, 2x batch", dict(tensor_parallel=2), "peer", 2),
-         ("2 GPUs, peer all-reduce, 4x batch", dict(tensor_parallel=2), "peer", 4)]
+         ("2 GPUs, peer all-reduce, 4x batch", dict(tensor_parallel=2), "peer", 4),
+         ("2 GPUs, peer all-reduce, 8x batch", dict(tensor_parallel=2), "peer", 8),
+         ("2 GPUs, peer all-reduce, 16x batch", dict(tensor_parallel=2), "peer", 16)]
 
 
 def all_reduce_mode(mode: str) -> None:
-    """Small all-reduces through NCCL or peer memory, here (rank 0) and in the
-    rank processes started next (they read the environment)."""
+    """Small all-reduces through NCCL or peer memory ("peer-no-ll": without
+    the low-latency kernel), here (rank 0) and in the rank processes started
+    next (they read the environment)."""
     value = str(0 if mode == "nccl" else parallel.PEER_ALL_REDUCE_BYTES_DEFAULT)
     os.environ["TURBOMQ_PEER_ALL_REDUCE_BYTES"] = value
     parallel.PEER_ALL_REDUCE_BYTES = int(value)
+    ll = str(0 if mode == "peer-no-ll" else parallel.PEER_ALL_REDUCE_LL_BYTES_DEFAULT)
+    os.environ["TURBOMQ_PEER_ALL_REDUCE_LL_BYTES"] = ll
+    parallel.PEER_ALL_REDUCE_LL_BYTES = int(ll)
 
 
 def ttft_ms(engine: Engine, repeats: int = 11) -> dict:

@@ -15,12 +15,21 @@
 // Layout of each rank's buffer (zeroed at allocation): the flags peers set
 // at the barrier ([block][rank] uint32), this rank's call counter and block
 // count (read only by this rank), then two data halves of one `capacity`
-// byte slot per rank. Call n uses half n % 2: a rank can only start call
+// byte slot per rank, then two LL halves of one kLLSlotBytes slot per rank. Call n uses half n % 2: a rank can only start call
 // n + 2 after every peer has arrived at call n + 1, i.e. finished call n
 // (kernels on one stream run in order), so no peer still reads or writes
 // that half. The counter lives on the device so that CUDA graphs replay the
 // kernel with fresh flags; the last block of a call to finish advances it
 // (every block has read it by then).
+// Small messages (up to set_all_reduce_ll_bytes, within
+// kAllReduceLLMaxBytes) take the low-latency kernel instead: each 16-byte
+// line a rank pushes carries 8 bytes of data and the call number twice
+// ({d0, call, d1, call}), so a reader spins on the lines themselves until
+// both numbers are this call's. No fence, no flag barrier: one NVLink trip
+// from a rank's store to its peer's sum, at twice the bytes on the link.
+// The LL lines live in their own area past the data halves (two halves by
+// call parity, as the data), so no data store can leave a stale line that
+// looks like a later call's.
 // Launched as a programmatic dependent (where programmatic_launch() is on),
 // it waits for the projection before anything else and lets the next
 // kernel start at once, so the next GEMV fetches its weights while this one
@@ -42,9 +51,17 @@ struct Header {
   std::uint32_t blocks_done;
 };
 constexpr std::size_t kDataOffset = (sizeof(Header) + 255) / 256 * 256;
+constexpr std::int64_t kLLSlotBytes = 2 * kAllReduceLLMaxBytes;  // a line per 8 data bytes
+static_assert(kAllReduceLLMaxBytes / 16 <= static_cast<std::int64_t>(kAllReduceMaxBlocks) * kThreads,
+              "an LL message is one vector a thread");
+
+std::size_t ll_offset(std::int64_t capacity, int ranks) {
+  return kDataOffset + 2 * static_cast<std::size_t>(ranks) * static_cast<std::size_t>(capacity);
+}
 
 struct AllReduceArgs {
   char* buffers[kAllReduceMaxRanks];  // every rank's buffer, mapped here
+  std::int64_t ll;                    // offset of the LL area in each buffer
   const uint4* in;
   uint4* out;
   const uint4* residual;  // or null
@@ -62,12 +79,38 @@ __device__ __forceinline__ std::uint32_t load_acquire(const std::uint32_t* p) {
   return v;
 }
 
+__device__ __forceinline__ void store_volatile(uint4* p, const uint4& v) {
+  asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y),
+               "r"(v.z), "r"(v.w)
+               : "memory");
+}
+__device__ __forceinline__ uint4 load_volatile(const uint4* p) {
+  uint4 v;
+  asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p)
+               : "memory");
+  return v;
+}
+
 template <typename T>
 __device__ __forceinline__ void add8(float* acc, const uint4& v) {
   float f[8];
   unpack8<T>(v, f);
 #pragma unroll
   for (int e = 0; e < 8; ++e) acc[e] += f[e];
+}
+
+// The last block of a call to finish advances the call counter (every block
+// has read it by then).
+__device__ __forceinline__ void finish_call(Header* self, std::uint32_t call) {
+  if (threadIdx.x == 0) {
+    __threadfence();
+    if (atomicAdd(&self->blocks_done, 1u) == gridDim.x - 1) {
+      self->blocks_done = 0;
+      self->counter = call;
+    }
+  }
 }
 
 template <typename T, int R, bool kPush>
@@ -117,20 +160,76 @@ __global__ void __launch_bounds__(kThreads) all_reduce_kernel(const AllReduceArg
     }
     a.out[v] = pack8<T>(acc);
   }
-  if (threadIdx.x == 0) {
-    __threadfence();
-    if (atomicAdd(&self->blocks_done, 1u) == gridDim.x - 1) {
-      self->blocks_done = 0;
-      self->counter = call;
+  finish_call(self, call);
+}
+
+// The low-latency kernel: one 16-byte vector of the message a thread. It
+// pushes the vector to every peer as two LL lines, then sums the ranks'
+// vectors in rank order (its own from its input), spinning on each peer's
+// lines until they carry this call's number.
+template <typename T, int R>
+__global__ void __launch_bounds__(kThreads) all_reduce_ll_kernel(const AllReduceArgs a) {
+  grid_dependency_wait();  // the input, the residual and the last call's counter
+  launch_dependents();
+  Header* self = reinterpret_cast<Header*>(a.buffers[a.rank]);
+  const std::uint32_t call = *reinterpret_cast<volatile std::uint32_t*>(&self->counter) + 1;
+  const std::int64_t half = a.ll + static_cast<std::int64_t>(call & 1) * R * kLLSlotBytes;
+  // Rank s's lines in rank b's buffer, this call's half.
+  auto lines = [&](int b, int s) {
+    return reinterpret_cast<uint4*>(a.buffers[b] + half + s * kLLSlotBytes);
+  };
+  const std::int64_t v = static_cast<std::int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  if (v < a.vectors) {
+    const uint4 x = a.in[v];
+    const uint4 res = a.residual != nullptr ? a.residual[v] : uint4{};  // read before the wait
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      if (r == a.rank) continue;
+      store_volatile(lines(r, a.rank) + 2 * v, make_uint4(x.x, call, x.y, call));
+      store_volatile(lines(r, a.rank) + 2 * v + 1, make_uint4(x.z, call, x.w, call));
     }
+    float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      if (r == a.rank) {
+        add8<T>(acc, x);
+        continue;
+      }
+      const uint4* src = lines(a.rank, r) + 2 * v;
+      uint4 lo, hi;
+      do {
+        lo = load_volatile(src);
+        hi = load_volatile(src + 1);
+      } while (lo.y != call || lo.w != call || hi.y != call || hi.w != call);
+      add8<T>(acc, make_uint4(lo.x, lo.z, hi.x, hi.z));
+    }
+    if (a.residual != nullptr) {
+      float r[8];
+      unpack8<T>(res, r);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc[e] = round_to<T>(acc[e]) + r[e];
+    }
+    a.out[v] = pack8<T>(acc);
+  }
+  __syncthreads();  // every thread has read the counter
+  if (gridDim.x > 1) {
+    finish_call(self, call);
+  } else if (threadIdx.x == 0) {
+    self->counter = call;  // one block: no other block to count; the kernel's end orders it
   }
 }
 
 bool g_push = true;  // set_all_reduce_push
+std::int64_t g_ll_bytes = 0;  // set_all_reduce_ll_bytes
 
 template <typename T, int R>
 void launch_ranks(const AllReduceArgs& a, int blocks, cudaStream_t s) {
   const char* name = "all_reduce_kernel";
+  if (a.vectors * 16 <= std::min(g_ll_bytes, kAllReduceLLMaxBytes)) {
+    launch_programmatic(all_reduce_ll_kernel<T, R>, a, dim3(blocks), kThreads, 0, s,
+                        "all_reduce_ll_kernel");
+    return;
+  }
   g_push ? launch_programmatic(all_reduce_kernel<T, R, true>, a, dim3(blocks), kThreads, 0, s, name)
          : launch_programmatic(all_reduce_kernel<T, R, false>, a, dim3(blocks), kThreads, 0, s,
                                name);
@@ -150,9 +249,14 @@ void launch_all_reduce(const AllReduceArgs& a, int blocks, cudaStream_t s) {
 
 void set_all_reduce_push(bool on) { g_push = on; }
 bool all_reduce_push() { return g_push; }
+void set_all_reduce_ll_bytes(std::int64_t bytes) {
+  require(bytes >= 0, "all_reduce: the LL threshold must be >= 0");
+  g_ll_bytes = bytes;
+}
+std::int64_t all_reduce_ll_bytes() { return g_ll_bytes; }
 
 std::size_t all_reduce_buffer_bytes(std::int64_t capacity, int ranks) {
-  return kDataOffset + 2 * static_cast<std::size_t>(ranks) * static_cast<std::size_t>(capacity);
+  return ll_offset(capacity, ranks) + 2 * static_cast<std::size_t>(ranks) * kLLSlotBytes;
 }
 
 std::uintptr_t all_reduce_buffer_alloc(std::int64_t capacity, int ranks) {
@@ -208,6 +312,7 @@ void all_reduce(std::uintptr_t out, std::uintptr_t in, std::uintptr_t residual,
   a.residual = reinterpret_cast<const uint4*>(residual);
   a.vectors = bytes / 16;
   a.capacity = capacity;
+  a.ll = static_cast<std::int64_t>(ll_offset(capacity, ranks));
   a.rank = rank;
   a.ranks = ranks;
   const int blocks = static_cast<int>(

@@ -56,6 +56,9 @@ void bind_cuda(py::module_& parent) {
         py::arg("ranks"));
   m.def("set_all_reduce_push", &cuda::set_all_reduce_push, py::arg("on"));
   m.def("all_reduce_push", &cuda::all_reduce_push);
+  m.def("set_all_reduce_ll_bytes", &cuda::set_all_reduce_ll_bytes, py::arg("bytes"));
+  m.def("all_reduce_ll_bytes", &cuda::all_reduce_ll_bytes);
+  m.attr("ALL_REDUCE_LL_MAX_BYTES") = cuda::kAllReduceLLMaxBytes;
   m.def("all_reduce_buffer_free", &cuda::all_reduce_buffer_free, py::arg("buffer"));
   m.def("ipc_handle", [](std::uintptr_t buffer) { return py::bytes(cuda::ipc_handle(buffer)); },
         py::arg("buffer"));

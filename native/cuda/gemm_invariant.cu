@@ -67,35 +67,36 @@ namespace {
 
 constexpr int kChunk = kGemmInvariantChunk;
 constexpr int kBK = 64;      // k per pipeline stage: a 128-byte shared-memory row
-constexpr int kNT = kGemmInvariantTile;  // output columns per block
+constexpr int kNT = kGemmInvariantTile;  // output columns per block (the tiled wgmma shape: or 64)
 constexpr int kThreads = 256;
 constexpr int kGroupM = 8;   // tiled: row tiles per raster group (L2 reuse of w)
 constexpr int kRowBytes = kBK * 2;
 static_assert(kChunk % kBK == 0, "a chunk is whole k tiles: chunk boundaries are tile boundaries");
-static_assert(kNT == 128, "the warp layouts below assume 128-wide tiles");
 
-// Warp layout of a block: an MT x 128 tile over 8 warps.
+// Warp layout of a block: an MT x NT tile over 8 warps (NT = 128, or 64 for
+// the tiled shape on wgmma at 64 rows).
 // mma.sync (kWg false): MT = 128 (large M): 2 x 4 warps of 64 x 32; MT <= 64:
 //   1 x 8 warps of MT x 16 (the few rows are shared, the weight columns split).
 // wgmma (kWg true; MT 64 or 128): each of the two warpgroups runs one m64nN
-//   MMA per k16 step: MT = 128: warpgroup g the rows 64 g.., all 128 columns;
-//   MT = 64: all 64 rows, the columns 64 g... Warp w of a warpgroup holds 16
-//   rows of it (wgmma.cuh), so a warp is again a 16 x N block of n8 tiles.
-template <int MT, bool kWg = false>
+//   MMA per k16 step: MT = 128: warpgroup g the rows 64 g.., all NT columns;
+//   MT = 64: all 64 rows, the columns NT / 2 g... Warp w of a warpgroup holds
+//   16 rows of it (wgmma.cuh), so a warp is again a 16 x N block of n8 tiles.
+template <int MT, bool kWg = false, int NT = kNT>
 struct Shape {
+  static_assert(NT == 128 || (kWg && MT == 64 && NT == 64), "128-wide tiles, or 64 x 64 on wgmma");
   static constexpr int kWarpsM = kWg ? (MT == 128 ? 8 : 4) : (MT == 128 ? 2 : 1);
   static constexpr int kWarpsN = 8 / kWarpsM;
   static constexpr int kWarpM = MT / kWarpsM;
-  static constexpr int kWarpN = kNT / kWarpsN;
+  static constexpr int kWarpN = NT / kWarpsN;
   static constexpr int kMi = kWarpM / 16;  // m16 tiles per warp
   static constexpr int kNj = kWarpN / 8;   // n8 tiles per warp
   // k tiles per stage ring, and how far ahead of the MMAs they are loaded:
   // with wgmma one k tile's MMAs stay in flight while the next are issued,
   // so the stage they read is reloaded one step later. (wgmma at 64 rows:
-  // 4 stages, 97 KiB, two blocks per SM.)
-  static constexpr int kStages = kWg && MT == 128 ? 5 : 4;
+  // 4 stages of 128 columns or 6 of 64, 97 KiB, two blocks per SM.)
+  static constexpr int kStages = kWg && MT == 128 ? 5 : NT == 64 ? 6 : 4;
   static constexpr int kAhead = kWg ? kStages - 2 : kStages - 1;
-  static constexpr int kStageBytes = (MT + kNT) * kRowBytes;
+  static constexpr int kStageBytes = (MT + NT) * kRowBytes;
   // wgmma: + 1 KiB to start the ring on a 1024-byte boundary (the swizzle atom)
   static constexpr int kSmemBytes = kStages * kStageBytes + (kWg ? 1024 : 0);
   static_assert(kWarpsM * kWarpsN * 32 == kThreads, "8 warps");
@@ -179,19 +180,21 @@ struct RowLoader {
   }
 };
 
-// Output columns per block: 128, or 64 with silu (128 weight rows either way).
-__device__ __forceinline__ int tile_cols(const Params& p) { return p.inter ? kNT / 2 : kNT; }
+// Output columns per block: NT, or NT / 2 with silu (NT weight rows either way).
+template <int NT = kNT>
+__device__ __forceinline__ int tile_cols(const Params& p) { return p.inter ? NT / 2 : NT; }
 
 // The weight rows of the block whose output columns start at n0: rows
 // n0 + t, or with silu the interleaved gate / up rows (see the top).
-__device__ __forceinline__ RowLoader<kNT> weight_loader(const Params& p, int n0) {
+template <int NT>
+__device__ __forceinline__ RowLoader<NT> weight_loader(const Params& p, int n0) {
   const int r = threadIdx.x / 8;
   const auto* w = static_cast<const std::uint16_t*>(p.w);
-  constexpr int kStep = RowLoader<kNT>::kRowStep;
-  if (p.inter == 0) return RowLoader<kNT>(w, n0 + r, p.n - n0 - r, kStep, p.k);
+  constexpr int kStep = RowLoader<NT>::kRowStep;
+  if (p.inter == 0) return RowLoader<NT>(w, n0 + r, p.n - n0 - r, kStep, p.k);
   // Tile rows r + 32 i: columns col + 16 i, all gate or all up rows.
   const int col = n0 + (r / 16) * 8 + r % 8;
-  return RowLoader<kNT>(w, col + ((r / 8) & 1) * p.inter, p.n - col, kStep / 2, p.k);
+  return RowLoader<NT>(w, col + ((r / 8) & 1) * p.inter, p.n - col, kStep / 2, p.k);
 }
 
 // The main loop of one output tile over chunks [s_begin, s_end): a cp.async
@@ -204,15 +207,15 @@ __device__ __forceinline__ RowLoader<kNT> weight_loader(const Params& p, int n0)
 // the stage's mbarrier, which every thread waits on; the boxes land in the
 // layout the cp.async chunks write (128-byte rows, 128-byte swizzle, rows
 // past M or N_w and columns past K zero), so the MMAs read the same bits.
-template <typename T, int MT, bool kWg, bool kTma = false>
+template <typename T, int MT, bool kWg, bool kTma = false, int NT = kNT>
 struct Mainloop {
   static_assert(!kTma || kWg, "TMA loads feed wgmma");
-  using S = Shape<MT, kWg>;
+  using S = Shape<MT, kWg, NT>;
   using Acc = float[S::kMi][S::kNj][4];
   static constexpr int kTilesPerChunk = kChunk / kBK;
 
   RowLoader<MT> load_x;
-  RowLoader<kNT> load_w;
+  RowLoader<NT> load_w;
   std::uint32_t base;  // shared address of stage 0
   std::uint32_t a_off, b_off;
   std::uint64_t a_desc, b_desc;  // wgmma: the warpgroup's operands in stage 0
@@ -229,7 +232,7 @@ struct Mainloop {
                                       const CUtensorMap* w_map = nullptr)
       : load_x(static_cast<const std::uint16_t*>(p.x), m0 + threadIdx.x / 8,
                p.m - m0 - static_cast<int>(threadIdx.x / 8), RowLoader<MT>::kRowStep, p.k),
-        load_w(weight_loader(p, n0)),
+        load_w(weight_loader<NT>(p, n0)),
         base(kWg ? (smem + 1023u) & ~1023u : smem),
         kt_begin(s_begin * kTilesPerChunk),
         kt_end(min(s_end * kTilesPerChunk, p.k_tiles)),
@@ -321,7 +324,7 @@ struct Mainloop {
       tma_load_2d(dst, w_map, kt * kBK, n0, bar(i));
       return;
     }
-    for (int g = 0; g < kNT / 8; ++g) {
+    for (int g = 0; g < NT / 8; ++g) {
       tma_load_2d(dst + g * 8 * kRowBytes, w_map, kt * kBK, n0 + 8 * (g / 2) + (g & 1) * inter,
                   bar(i));
     }
@@ -430,15 +433,15 @@ __device__ __forceinline__ std::uint32_t dynamic_smem() {
 
 // Accumulator element e of m16 tile i, n8 tile j of this lane: row and column
 // in the block's tile (the mma's C layout: rows g and g + 8, columns 2c, 2c + 1).
-template <int MT, bool kWg>
+template <int MT, bool kWg, int NT = kNT>
 __device__ __forceinline__ int acc_row(int i, int e) {
-  using S = Shape<MT, kWg>;
+  using S = Shape<MT, kWg, NT>;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   return S::warp_m(warp) * S::kWarpM + i * 16 + lane / 4 + (e >= 2 ? 8 : 0);
 }
-template <int MT, bool kWg>
+template <int MT, bool kWg, int NT = kNT>
 __device__ __forceinline__ int acc_col(int j) {
-  using S = Shape<MT, kWg>;
+  using S = Shape<MT, kWg, NT>;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   return S::warp_n(warp) * S::kWarpN + j * 8 + (lane % 4) * 2;
 }
@@ -454,9 +457,9 @@ __device__ __forceinline__ std::uint32_t pack2(__nv_bfloat16 lo, __nv_bfloat16 h
 
 // silu layout: the output column (in the block's 64) of the gate total in
 // n8 tile j (even) of this lane; its up total is in tile j + 1.
-template <int MT, bool kWg>
+template <int MT, bool kWg, int NT>
 __device__ __forceinline__ int silu_col(int j) {
-  using S = Shape<MT, kWg>;
+  using S = Shape<MT, kWg, NT>;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   return S::warp_n(warp) * (S::kWarpN / 2) + (j / 2) * 8 + (lane % 4) * 2;
 }
@@ -485,10 +488,10 @@ __device__ __forceinline__ std::uint32_t out2(float lo, float hi, std::uint32_t 
 
 // Large M: one block per output tile, all chunks; grouped raster order so a
 // wave of blocks shares kGroupM row tiles of x and a band of w in L2.
-template <typename T, int MT, bool kWg, bool kTma>
+template <typename T, int MT, bool kWg, bool kTma, int NT>
 __device__ __forceinline__ void gemm_tiled(const Params& p, const CUtensorMap* x_map,
                                            const CUtensorMap* w_map) {
-  using S = Shape<MT, kWg>;
+  using S = Shape<MT, kWg, NT>;
   launch_dependents();  // a following programmatic launch may start fetching its weights
   const int per_group = kGroupM * p.n_tiles;
   const int group = blockIdx.x / per_group;
@@ -496,11 +499,11 @@ __device__ __forceinline__ void gemm_tiled(const Params& p, const CUtensorMap* x
   const int group_m = min(p.m_tiles - first_m, kGroupM);
   const int in_group = blockIdx.x % per_group;
   const int m0 = (first_m + in_group % group_m) * MT;
-  const int n0 = (in_group / group_m) * tile_cols(p);
+  const int n0 = (in_group / group_m) * tile_cols<NT>(p);
 
   // total = c_0 (chunk 0 straight into it, from zero), then total += c_s:
   // the fold of fold_partials, in registers.
-  Mainloop<T, MT, kWg, kTma> loop(p, dynamic_smem(), m0, n0, 0, p.chunks, x_map, w_map);
+  Mainloop<T, MT, kWg, kTma, NT> loop(p, dynamic_smem(), m0, n0, 0, p.chunks, x_map, w_map);
   float total[S::kMi][S::kNj][4], acc[S::kMi][S::kNj][4];
   loop.chunk(0, total);
   for (int s = 1; s < p.chunks; ++s) {
@@ -520,11 +523,11 @@ __device__ __forceinline__ void gemm_tiled(const Params& p, const CUtensorMap* x
     for (int i = 0; i < S::kMi; ++i)
 #pragma unroll
       for (int j = 0; j < S::kNj; j += 2) {
-        const int n = n0 + silu_col<MT, kWg>(j);
+        const int n = n0 + silu_col<MT, kWg, NT>(j);
         if (n >= p.n) continue;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          const int m = m0 + acc_row<MT, kWg>(i, 2 * h);
+          const int m = m0 + acc_row<MT, kWg, NT>(i, 2 * h);
           if (m >= p.m) continue;
           *reinterpret_cast<std::uint32_t*>(y + static_cast<std::int64_t>(m) * p.n + n) =
               pack2(silu_out<T>(total[i][j][2 * h], total[i][j + 1][2 * h]),
@@ -538,11 +541,11 @@ __device__ __forceinline__ void gemm_tiled(const Params& p, const CUtensorMap* x
   for (int i = 0; i < S::kMi; ++i)
 #pragma unroll
     for (int j = 0; j < S::kNj; ++j) {
-      const int n = n0 + acc_col<MT, kWg>(j);
+      const int n = n0 + acc_col<MT, kWg, NT>(j);
       if (n >= p.n) continue;  // N % 8 == 0: columns n and n + 1 are both in or both out
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const int m = m0 + acc_row<MT, kWg>(i, 2 * h);
+        const int m = m0 + acc_row<MT, kWg, NT>(i, 2 * h);
         if (m >= p.m) continue;
         const std::int64_t off = static_cast<std::int64_t>(m) * p.n + n;
         const float lo = total[i][j][2 * h], hi = total[i][j][2 * h + 1];
@@ -554,16 +557,16 @@ __device__ __forceinline__ void gemm_tiled(const Params& p, const CUtensorMap* x
     }
 }
 
-template <typename T, int MT, bool kWg>
+template <typename T, int MT, bool kWg, int NT>
 __global__ void __launch_bounds__(kThreads, MT == 128 ? 1 : 2)
     gemm_tiled_kernel(const Params p) {
-  gemm_tiled<T, MT, kWg, false>(p, nullptr, nullptr);
+  gemm_tiled<T, MT, kWg, false, NT>(p, nullptr, nullptr);
 }
 
-template <typename T, int MT>
+template <typename T, int MT, int NT>
 __global__ void __launch_bounds__(kThreads, MT == 128 ? 1 : 2)
     gemm_tiled_tma_kernel(const __grid_constant__ TmaParams tp) {
-  gemm_tiled<T, MT, true, true>(tp.p, &tp.x, &tp.w);
+  gemm_tiled<T, MT, true, true, NT>(tp.p, &tp.x, &tp.w);
 }
 
 // The fold of one output tile from the partials, in chunk order: total = p_0,
@@ -682,10 +685,13 @@ bool g_tma_tiled = false;  // set_gemm_invariant_tma
 // batches too (65-256 rows) the deterministic offline run was slower.
 constexpr std::int64_t kTmaMinRows = 512;
 
-template <typename T, int MT, bool kWg>
+// NT: the tiled shape's columns per block (the split shape's are kNT).
+template <typename T, int MT, bool kWg, int NT = kNT>
 void launch(Params p, bool split, cudaStream_t stream) {
-  using S = Shape<MT, kWg>;
+  static_assert(NT == kNT || kWg, "64-wide tiles: the tiled shape on wgmma");
+  using S = Shape<MT, kWg, NT>;
   p.m_tiles = ceil_div(p.m, MT);
+  if (!split) p.n_tiles = ceil_div(p.n_w, NT);
   if constexpr (kWg) {
     if (!split && g_tma_tiled && p.m >= kTmaMinRows) {
       const DType dtype = std::is_same_v<T, __half> ? DType::kF16 : DType::kBF16;
@@ -694,8 +700,8 @@ void launch(Params p, bool split, cudaStream_t stream) {
       // x's maps from a bounded cache (activations move), the weights' kept.
       tp.x = transient_tensor_map_2d(reinterpret_cast<std::uintptr_t>(p.x), p.m, p.k, dtype, MT);
       tp.w = tensor_map_2d(reinterpret_cast<std::uintptr_t>(p.w), p.n_w, p.k, dtype,
-                           p.inter ? 8 : kNT);
-      auto kernel = gemm_tiled_tma_kernel<T, MT>;
+                           p.inter ? 8 : NT);
+      auto kernel = gemm_tiled_tma_kernel<T, MT, NT>;
       static bool opted_in = false;
       opt_in_smem(kernel, S::kSmemBytes + kTmaBarrierBytes, opted_in,
                   "gemm_invariant: shared memory opt-in");
@@ -706,7 +712,7 @@ void launch(Params p, bool split, cudaStream_t stream) {
     }
   }
   if (!split) {
-    auto kernel = gemm_tiled_kernel<T, MT, kWg>;
+    auto kernel = gemm_tiled_kernel<T, MT, kWg, NT>;
     static bool opted_in = false;  // per instantiation, as gemv
     opt_in_smem(kernel, S::kSmemBytes, opted_in, "gemm_invariant: shared memory opt-in");
     const std::int64_t blocks = static_cast<std::int64_t>(p.m_tiles) * p.n_tiles;
@@ -730,13 +736,17 @@ bool g_wgmma_tiled = false, g_wgmma_split = false;  // set_gemm_invariant_wgmma
 // Rows per block. mma.sync: the smallest of 16, 32, 64 that holds M, else
 // 128 (kGemmInvariantTile); wgmma: 64 up to 64 rows, else 128. Either way a
 // tiled launch whose 128-row tiles would leave SMs idle takes 64-row tiles
-// (twice the blocks). The split shape's tile rows are block_rows() (its
-// counters).
+// (twice the blocks); on wgmma, if those still would, 64 x 64 tiles (twice
+// again: decode batches of 65-260 rows on 4096 columns). The split shape's
+// tile rows are block_rows() (its counters).
 template <typename T>
 void dispatch_rows(const Params& p, bool split, cudaStream_t stream) {
-  const bool narrow = p.m <= 64 || (!split && ceil_div(p.m, 128) * p.n_tiles < sm_count());
+  const int sms = sm_count();
+  const bool narrow = p.m <= 64 || (!split && ceil_div(p.m, 128) * p.n_tiles < sms);
   if (split ? g_wgmma_split : g_wgmma_tiled) {
-    return narrow ? launch<T, 64, true>(p, split, stream) : launch<T, 128, true>(p, split, stream);
+    if (!narrow) return launch<T, 128, true>(p, split, stream);
+    if (!split && ceil_div(p.m, 64) * p.n_tiles < sms) return launch<T, 64, true, 64>(p, split, stream);
+    return launch<T, 64, true>(p, split, stream);
   }
   if (p.m <= 16) return launch<T, 16, false>(p, split, stream);
   if (p.m <= 32) return launch<T, 32, false>(p, split, stream);

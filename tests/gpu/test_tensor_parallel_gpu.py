@@ -82,18 +82,21 @@ def test_two_gpus_prefill_graphs_answer_like_eager(tmp_path):
 
 
 
-def _peer_all_reduce_rank(tp, rank: int, push: bool) -> None:
+def _peer_all_reduce_rank(tp, rank: int, mode: str) -> None:
     """One rank: the peer-memory all-reduce against NCCL's, bit for bit (two
     ranks: one rounding of a + b either way), over messages of changing size
     (each a different grid), with the residual add fused, and replayed from a
-    CUDA graph with fresh inputs."""
+    CUDA graph with fresh inputs. "ll": messages up to 256 KiB (32 rows) take
+    the low-latency kernel, larger ones the pushing kernel, interleaved."""
     from turbomq.worker.model.ops import cuda as cuda_ops
 
-    cuda_ops._k.set_all_reduce_push(push)
+    cuda_ops._k.set_all_reduce_push(mode != "pull")
+    cuda_ops._k.set_all_reduce_ll_bytes(cuda_ops._k.ALL_REDUCE_LL_MAX_BYTES if mode == "ll" else 0)
     assert tp.peer is not None, "no peer all-reduce between the two GPUs"
     g = torch.Generator(device="cuda").manual_seed(rank)
     for rows, dtype in [(1, torch.bfloat16), (3, torch.float16), (64, torch.bfloat16),
-                        (1, torch.float16), (128, torch.bfloat16), (2, torch.bfloat16)] * 3:
+                        (1, torch.float16), (128, torch.bfloat16), (2, torch.bfloat16),
+                        (32, torch.bfloat16), (33, torch.float16)] * 3:
         x = torch.randn(rows, 4096, generator=g, device="cuda", dtype=dtype)
         res = torch.randn(rows, 4096, generator=g, device="cuda", dtype=dtype)
         assert tp.peer.fits(x)
@@ -127,9 +130,9 @@ def dist_all_reduce(t: torch.Tensor) -> None:
     dist.all_reduce(t)
 
 
-@pytest.mark.parametrize("push", [True, False], ids=["push", "pull"])
-def test_peer_all_reduce_equals_nccl_and_replays_in_graphs(push):
-    _spawn_ranks(_peer_all_reduce_rank, push)
+@pytest.mark.parametrize("mode", ["push", "pull", "ll"])
+def test_peer_all_reduce_equals_nccl_and_replays_in_graphs(mode):
+    _spawn_ranks(_peer_all_reduce_rank, mode)
 
 
 def _spawn_ranks(body, *args) -> None:

@@ -43,6 +43,14 @@ PEER_ALL_REDUCE_BYTES = int(os.environ.get("TURBOMQ_PEER_ALL_REDUCE_BYTES",
 # Each rank pushes its partial sums into every peer's buffer (1, the
 # default) or reads the peers' from theirs (0): native/cuda/all_reduce.cu.
 PEER_ALL_REDUCE_PUSH = os.environ.get("TURBOMQ_PEER_ALL_REDUCE_PUSH", "1") != "0"
+# All-reduces of at most this many bytes (decode batches of up to 8 rows at
+# 4096 wide) take the low-latency kernel: the data and the call number in
+# every 16-byte line pushed, no flag barrier (native/cuda/all_reduce.cu;
+# at most ALL_REDUCE_LL_MAX_BYTES). TURBOMQ_PEER_ALL_REDUCE_LL_BYTES
+# overrides; 0 turns it off.
+PEER_ALL_REDUCE_LL_BYTES_DEFAULT = 64 << 10
+PEER_ALL_REDUCE_LL_BYTES = int(os.environ.get("TURBOMQ_PEER_ALL_REDUCE_LL_BYTES",
+                                              str(PEER_ALL_REDUCE_LL_BYTES_DEFAULT)))
 
 
 # all_gather_into_tensor's newer name (torch >= 2.13 warns on the old one).
@@ -179,6 +187,7 @@ class PeerAllReduce:
                       for d in range(torch.cuda.device_count()) if d != device.index))
         if ok:
             k.set_all_reduce_push(PEER_ALL_REDUCE_PUSH)
+            k.set_all_reduce_ll_bytes(PEER_ALL_REDUCE_LL_BYTES)
         own = k.all_reduce_buffer_alloc(capacity, tp.size) if ok else 0
         handles: list = [None] * tp.size
         dist.all_gather_object(handles, k.ipc_handle(own) if ok else None, group=tp.host_group)

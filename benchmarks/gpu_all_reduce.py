@@ -5,9 +5,10 @@ runs it: 64 calls in a row (two a layer of a 32-layer model), each adding
 the sum into the residual stream, captured once as a CUDA graph and
 replayed; from one decode row to 1024 (a large decode batch), where the
 peer kernel should hand over to NCCL (TURBOMQ_PEER_ALL_REDUCE_BYTES; the
-run raises it to take every size). All rows from one run.
+run raises it to take every size; --rows times other sizes, such as
+prefill chunks). All rows from one run.
 
-    python benchmarks/gpu_all_reduce.py --out DIR   (on a machine with 2 GPUs)
+    python benchmarks/gpu_all_reduce.py --out DIR [--rows 1024 4096 8192]   (on a machine with 2 GPUs)
 
 Writes all_reduce.md and all_reduce.json to --out.
 """
@@ -28,7 +29,7 @@ ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 MODES = ("NCCL", "peer, pull", "peer, push", "peer, LL")
 
 
-def _rank(rank: int, port: int, results) -> None:
+def _rank(rank: int, port: int, results, row_counts: tuple[int, ...]) -> None:
     import torch.distributed as dist
 
     from turbomq.worker.model.ops import cuda as cuda_ops
@@ -44,7 +45,7 @@ def _rank(rank: int, port: int, results) -> None:
                 cuda_ops._k.set_all_reduce_push(not mode.endswith("pull"))
                 ll = cuda_ops._k.ALL_REDUCE_LL_MAX_BYTES if mode.endswith("LL") else 0
                 cuda_ops._k.set_all_reduce_ll_bytes(ll)
-            for rows in ROWS:
+            for rows in row_counts:
                 if mode.endswith("LL") and rows * HIDDEN * 2 > ll:
                     continue  # past the LL kernel's sizes
                 x = torch.randn(rows, HIDDEN, device="cuda", dtype=torch.bfloat16)
@@ -88,13 +89,14 @@ def _rank(rank: int, port: int, results) -> None:
 
 
 def write_report(out: Path, r: dict) -> None:
+    row_counts = r["rows"]
     rows = ["# Tensor-parallel all-reduce (2 GPUs, bf16, residual add fused)", "",
             f"{r['device']} x 2; `python benchmarks/gpu_all_reduce.py --out DIR`. Microseconds "
             f"per call: {CALLS} calls a graph (a 32-layer decode step's), {REPLAYS} replays, "
             f"rows of {HIDDEN}. All rows from one run.", "",
             "| rows | " + " | ".join(MODES) + " |",
             "| ---: |" + " ---: |" * len(MODES)]
-    for n in ROWS:
+    for n in row_counts:
         cells = (r["us"].get(f"{m}|{n}") for m in MODES)
         rows.append(f"| {n} | " + " | ".join("" if c is None else f"{c:.1f}" for c in cells) + " |")
     rows += ["", "docs/engine.md, Tensor parallel; native/cuda/all_reduce.cu."]
@@ -105,7 +107,10 @@ def write_report(out: Path, r: dict) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--rows", type=int, nargs="+", default=list(ROWS),
+                    help="message sizes in rows of 4096")
     args = ap.parse_args()
+    row_counts = tuple(args.rows)
     args.out.mkdir(parents=True, exist_ok=True)
     if torch.cuda.device_count() < 2:
         raise SystemExit("all-reduce benchmark: needs 2 CUDA devices")
@@ -114,20 +119,20 @@ def main() -> None:
     import torch.multiprocessing as mp
 
     # every size through the peer kernel (the ranks read it at import)
-    os.environ["TURBOMQ_PEER_ALL_REDUCE_BYTES"] = str(max(ROWS) * HIDDEN * 2)
+    os.environ["TURBOMQ_PEER_ALL_REDUCE_BYTES"] = str(max(row_counts) * HIDDEN * 2)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
-    procs = [ctx.Process(target=_rank, args=(r, port, results)) for r in range(2)]
+    procs = [ctx.Process(target=_rank, args=(r, port, results, row_counts)) for r in range(2)]
     for p in procs:
         p.start()
     for p in procs:
         p.join(timeout=300)
     if results.empty() or any(p.exitcode for p in procs):
         raise SystemExit("all-reduce benchmark: a rank failed")
-    r = {"device": torch.cuda.get_device_name(0), "us": results.get()}
+    r = {"device": torch.cuda.get_device_name(0), "rows": list(row_counts), "us": results.get()}
     write_report(args.out, r)
     print((args.out / "all_reduce.md").read_text())
 

@@ -43,12 +43,13 @@ PEER_ALL_REDUCE_BYTES = int(os.environ.get("TURBOMQ_PEER_ALL_REDUCE_BYTES",
 # Each rank pushes its partial sums into every peer's buffer (1, the
 # default) or reads the peers' from theirs (0): native/cuda/all_reduce.cu.
 PEER_ALL_REDUCE_PUSH = os.environ.get("TURBOMQ_PEER_ALL_REDUCE_PUSH", "1") != "0"
-# All-reduces of at most this many bytes (decode batches of up to 8 rows at
-# 4096 wide) take the low-latency kernel: the data and the call number in
+# All-reduces of at most this many bytes (decode batches of up to 16 rows at
+# 4096 wide: where it beat pushing on 2 x H200, docs/benchmarks/all_reduce.md)
+# take the low-latency kernel: the data and the call number in
 # every 16-byte line pushed, no flag barrier (native/cuda/all_reduce.cu;
 # at most ALL_REDUCE_LL_MAX_BYTES). TURBOMQ_PEER_ALL_REDUCE_LL_BYTES
 # overrides; 0 turns it off.
-PEER_ALL_REDUCE_LL_BYTES_DEFAULT = 64 << 10
+PEER_ALL_REDUCE_LL_BYTES_DEFAULT = 128 << 10
 PEER_ALL_REDUCE_LL_BYTES = int(os.environ.get("TURBOMQ_PEER_ALL_REDUCE_LL_BYTES",
                                               str(PEER_ALL_REDUCE_LL_BYTES_DEFAULT)))
 

@@ -15,12 +15,13 @@
 // Layout of each rank's buffer (zeroed at allocation): the flags peers set
 // at the barrier ([block][rank] uint32), this rank's call counter and block
 // count (read only by this rank), then two data halves of one `capacity`
-// byte slot per rank, then two LL halves of one kLLSlotBytes slot per rank. Call n uses half n % 2: a rank can only start call
-// n + 2 after every peer has arrived at call n + 1, i.e. finished call n
-// (kernels on one stream run in order), so no peer still reads or writes
-// that half. The counter lives on the device so that CUDA graphs replay the
-// kernel with fresh flags; the last block of a call to finish advances it
-// (every block has read it by then).
+// byte slot per rank, then two LL halves of one kLLSlotBytes slot per rank.
+// Call n uses half n % 2: a rank can only start call n + 2 after every peer
+// has arrived at call n + 1, i.e. finished call n (kernels on one stream run
+// in order), so no peer still reads or writes that half. The counter lives
+// on the device so that CUDA graphs replay the kernel with fresh flags; the
+// last block of a call to finish advances it (every block has read it by
+// then).
 // Small messages (up to set_all_reduce_ll_bytes, within
 // kAllReduceLLMaxBytes) take the low-latency kernel instead: each 16-byte
 // line a rank pushes carries 8 bytes of data and the call number twice
@@ -102,8 +103,14 @@ __device__ __forceinline__ void add8(float* acc, const uint4& v) {
 }
 
 // The last block of a call to finish advances the call counter (every block
-// has read it by then).
+// has read it by then; within a block, the caller's barrier says so). A lone
+// block has no other to count: it writes the counter, and the kernel's end
+// orders that before the next call reads it.
 __device__ __forceinline__ void finish_call(Header* self, std::uint32_t call) {
+  if (gridDim.x == 1) {
+    if (threadIdx.x == 0) self->counter = call;
+    return;
+  }
   if (threadIdx.x == 0) {
     __threadfence();
     if (atomicAdd(&self->blocks_done, 1u) == gridDim.x - 1) {
@@ -212,11 +219,7 @@ __global__ void __launch_bounds__(kThreads) all_reduce_ll_kernel(const AllReduce
     a.out[v] = pack8<T>(acc);
   }
   __syncthreads();  // every thread has read the counter
-  if (gridDim.x > 1) {
-    finish_call(self, call);
-  } else if (threadIdx.x == 0) {
-    self->counter = call;  // one block: no other block to count; the kernel's end orders it
-  }
+  finish_call(self, call);
 }
 
 bool g_push = true;  // set_all_reduce_push

@@ -50,13 +50,17 @@ CASES = [("1 GPU", dict(tensor_parallel=1), "peer", 1),
          ("2 GPUs, peer all-reduce, 16x batch", dict(tensor_parallel=2), "peer", 16)]
 
 
+PEER_BYTES: Optional[int] = None  # --peer-all-reduce-bytes
+
+
 def all_reduce_mode(mode: str) -> None:
     """Small all-reduces through NCCL or peer memory ("peer-no-ll": without
     the low-latency kernel), here (rank 0) and in the rank processes started
     next (they read the environment)."""
-    value = str(0 if mode == "nccl" else parallel.PEER_ALL_REDUCE_BYTES_DEFAULT)
-    os.environ["TURBOMQ_PEER_ALL_REDUCE_BYTES"] = value
-    parallel.PEER_ALL_REDUCE_BYTES = int(value)
+    value = (0 if mode == "nccl" else
+             PEER_BYTES if PEER_BYTES is not None else parallel.PEER_ALL_REDUCE_BYTES_DEFAULT)
+    os.environ["TURBOMQ_PEER_ALL_REDUCE_BYTES"] = str(value)
+    parallel.PEER_ALL_REDUCE_BYTES = value
     ll = str(0 if mode == "peer-no-ll" else parallel.PEER_ALL_REDUCE_LL_BYTES_DEFAULT)
     os.environ["TURBOMQ_PEER_ALL_REDUCE_LL_BYTES"] = ll
     parallel.PEER_ALL_REDUCE_LL_BYTES = int(ll)
@@ -106,18 +110,30 @@ def profile_decode(engine: Engine, dest: Path, new_tokens: int = 64) -> None:
     dest.write_text("\n\n".join(sections) + "\n")
 
 
-def measure(path: str, case: dict, work: list, max_batch_size: int,
-            profile_to: Optional[Path] = None) -> dict:
-    t0 = time.perf_counter()
+def make_engine(path: str, case: dict, max_batch_size: int) -> Engine:
+    """The engine every case runs, warmed up (the graphs the runs use captured)."""
     engine = Engine(EngineConfig(model=path, device="cuda", dtype="bf16",
                                  max_batch_size=max_batch_size, block_size=64,
                                  kv_cache_fraction=0.85, max_num_batched_tokens=8192,
                                  max_model_len=16384, cuda_graphs=True, **case))
+    for copies in (4, 1):
+        engine.generate(input_ids=[list(range(1000, 1128))] * copies,
+                        params=SamplingParams(max_tokens=8, **GREEDY))
+    return engine
+
+
+def write_checkpoint(path: str) -> None:
+    tensors = {k: v.cpu() for k, v in random_tensors(LLAMA3_8B).items()}
+    torch.cuda.empty_cache()
+    save_converted(Checkpoint(LLAMA3_8B, tensors), path)
+
+
+def measure(path: str, case: dict, work: list, max_batch_size: int,
+            profile_to: Optional[Path] = None) -> dict:
+    t0 = time.perf_counter()
+    engine = make_engine(path, case, max_batch_size)
     try:
-        load_s = time.perf_counter() - t0
-        for copies in (4, 1):  # warm-up (captures the graphs the runs use)
-            engine.generate(input_ids=[list(range(1000, 1128))] * copies,
-                            params=SamplingParams(max_tokens=8, **GREEDY))
+        load_s = time.perf_counter() - t0  # with the warm-up
         out = {"load_s": load_s, "kv_tokens_capacity": engine.max_tokens_in_pool}
         out.update(decode_batch1(engine))
         if profile_to is not None:
@@ -171,7 +187,11 @@ def main() -> None:
                     help="also profile each engine's prefill and batch-1 decode (tp_profile_*.txt)")
     ap.add_argument("--checkpoint", type=Path,
                     help="keep the converted checkpoint here (reused where it exists)")
+    ap.add_argument("--peer-all-reduce-bytes", type=int,
+                    help="the largest message the peer all-reduce takes (default: the engine's)")
     args = ap.parse_args()
+    global PEER_BYTES
+    PEER_BYTES = args.peer_all_reduce_bytes
     args.out.mkdir(parents=True, exist_ok=True)
     if torch.cuda.device_count() < 2:
         raise SystemExit("tensor parallel benchmark: needs 2 CUDA devices")
@@ -181,10 +201,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="turbomq-tp-") as tmp:
         path = str(args.checkpoint or tmp)
         if not (args.checkpoint and args.checkpoint.exists()):
-            tensors = {k: v.cpu() for k, v in random_tensors(LLAMA3_8B).items()}
-            torch.cuda.empty_cache()
-            save_converted(Checkpoint(LLAMA3_8B, tensors), path)
-            del tensors
+            write_checkpoint(path)
         for name, case, mode, batch in CASES:
             if (args.without_nccl and mode == "nccl") or (args.only and name not in args.only):
                 continue

@@ -1,9 +1,9 @@
 // One-shot all-reduce over peer memory (NVLink), for the small messages of
 // tensor-parallel decode (a 4096-wide row is 8 KiB). Every rank's buffer is
 // mapped by every peer (CUDA IPC) and holds a slot per rank. Pushing (the
-// default): every rank writes its input into its slot of every rank's
-// buffer, meets the peers at a flag barrier, then sums the slots of its own
-// buffer. Pulling: every rank writes its input into its slot of its own
+// default up to kPushMaxBytes): every rank writes its input into its slot of every peer's
+// buffer, meets the peers at a flag barrier, then sums its own input and the
+// peers' slots of its own buffer. Pulling: every rank writes its input into its slot of its own
 // buffer and, after the barrier, reads each peer's slot from the peer's
 // buffer. One kernel, no NCCL launch, no ring steps; pushing leaves only
 // posted NVLink writes before the barrier and local reads after it, where
@@ -45,6 +45,8 @@ namespace cuda {
 namespace {
 
 constexpr int kThreads = 512;
+constexpr int kUnroll = 4;  // vectors a thread loads before it pushes them
+constexpr std::int64_t kPushMaxBytes = 12 << 20;  // larger messages are pulled
 
 struct Header {
   std::uint32_t flags[kAllReduceMaxBlocks][kAllReduceMaxRanks];
@@ -134,14 +136,27 @@ __global__ void __launch_bounds__(kThreads) all_reduce_kernel(const AllReduceArg
     return reinterpret_cast<uint4*>(a.buffers[b] + kDataOffset + half + s * a.capacity);
   };
   // Each block copies and later reduces the same vectors on every rank, so
-  // it needs only the same block of each peer at the barrier.
-  for (std::int64_t v = first; v < a.vectors; v += stride) {
-    const uint4 x = a.in[v];
-    if constexpr (kPush) {
+  // it needs only the same block of each peer at the barrier. Pushing, a
+  // rank's own input stays where it is (it sums it from `in`); the loads
+  // go kUnroll at a time so that more of them are in flight per thread.
+  for (std::int64_t v0 = first; v0 < a.vectors; v0 += kUnroll * stride) {
+    uint4 x[kUnroll];
 #pragma unroll
-      for (int r = 0; r < R; ++r) slot(r, a.rank)[v] = x;
-    } else {
-      slot(a.rank, a.rank)[v] = x;
+    for (int u = 0; u < kUnroll; ++u) {
+      const std::int64_t v = v0 + u * stride;
+      if (v < a.vectors) x[u] = a.in[v];
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const std::int64_t v = v0 + u * stride;
+      if (v >= a.vectors) break;
+      if constexpr (kPush) {
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+          if (r != a.rank) slot(r, a.rank)[v] = x[u];
+      } else {
+        slot(a.rank, a.rank)[v] = x[u];
+      }
     }
   }
   __syncthreads();
@@ -154,7 +169,8 @@ __global__ void __launch_bounds__(kThreads) all_reduce_kernel(const AllReduceArg
   __syncthreads();
   const uint4* data[R];
 #pragma unroll
-  for (int r = 0; r < R; ++r) data[r] = slot(kPush ? a.rank : r, r);
+  for (int r = 0; r < R; ++r)
+    data[r] = kPush && r == a.rank ? a.in : slot(kPush ? a.rank : r, r);
   for (std::int64_t v = first; v < a.vectors; v += stride) {
     float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
@@ -233,9 +249,11 @@ void launch_ranks(const AllReduceArgs& a, int blocks, cudaStream_t s) {
                         "all_reduce_ll_kernel");
     return;
   }
-  g_push ? launch_programmatic(all_reduce_kernel<T, R, true>, a, dim3(blocks), kThreads, 0, s, name)
-         : launch_programmatic(all_reduce_kernel<T, R, false>, a, dim3(blocks), kThreads, 0, s,
-                               name);
+  // Past kPushMaxBytes pulling is faster on 2 x H200 (16 MiB: 66.8 against
+  // 70.6 us pushing; 64 MiB: 240 against 274; docs/benchmarks/all_reduce.md).
+  const bool push = g_push && a.vectors * 16 <= kPushMaxBytes;
+  push ? launch_programmatic(all_reduce_kernel<T, R, true>, a, dim3(blocks), kThreads, 0, s, name)
+       : launch_programmatic(all_reduce_kernel<T, R, false>, a, dim3(blocks), kThreads, 0, s, name);
 }
 
 template <typename T>

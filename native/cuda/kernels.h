@@ -231,13 +231,14 @@ constexpr int kAttentionPartitionAlign = 64;
 // or with `residual` != 0, out = residual + that (out may be in or
 // residual). 16-bit elements, 16-byte aligned, 16-byte multiples. Every
 // rank pushes its input into every buffer (the default) or, with
-// set_all_reduce_push(false), reads the peers' inputs from theirs; all
+// set_all_reduce_push(false) and for every message over 12 MiB, reads the
+// peers' inputs from theirs; all
 // ranks must agree. Messages of at most set_all_reduce_ll_bytes (0: none;
 // within kAllReduceLLMaxBytes) take the low-latency kernel (the data and
 // the call number in each line pushed: no flag barrier); all ranks must
 // agree on that too.
 constexpr int kAllReduceMaxRanks = 8;
-constexpr int kAllReduceMaxBlocks = 64;
+constexpr int kAllReduceMaxBlocks = 128;
 constexpr std::int64_t kAllReduceLLMaxBytes = 256 << 10;
 void set_all_reduce_ll_bytes(std::int64_t bytes);
 std::int64_t all_reduce_ll_bytes();

@@ -86,7 +86,9 @@ def _peer_all_reduce_rank(tp, rank: int, mode: str) -> None:
     """One rank: the peer-memory all-reduce against NCCL's, bit for bit (two
     ranks: one rounding of a + b either way), over messages of changing size
     (each a different grid), with the residual add fused, and replayed from a
-    CUDA graph with fresh inputs. "ll": messages up to 256 KiB (32 rows) take
+    CUDA graph with fresh inputs (up to 2048 rows: several vectors a thread,
+    and past 12 MiB pulled whatever the mode).
+    "ll": messages up to 256 KiB (32 rows) take
     the low-latency kernel, larger ones the pushing kernel, interleaved."""
     from turbomq.worker.model.ops import cuda as cuda_ops
 
@@ -96,7 +98,8 @@ def _peer_all_reduce_rank(tp, rank: int, mode: str) -> None:
     g = torch.Generator(device="cuda").manual_seed(rank)
     for rows, dtype in [(1, torch.bfloat16), (3, torch.float16), (64, torch.bfloat16),
                         (1, torch.float16), (128, torch.bfloat16), (2, torch.bfloat16),
-                        (32, torch.bfloat16), (33, torch.float16)] * 3:
+                        (32, torch.bfloat16), (33, torch.float16), (1024, torch.bfloat16),
+                        (777, torch.float16), (2048, torch.bfloat16)] * 3:
         x = torch.randn(rows, 4096, generator=g, device="cuda", dtype=dtype)
         res = torch.randn(rows, 4096, generator=g, device="cuda", dtype=dtype)
         assert tp.peer.fits(x)
@@ -131,7 +134,8 @@ def dist_all_reduce(t: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize("mode", ["push", "pull", "ll"])
-def test_peer_all_reduce_equals_nccl_and_replays_in_graphs(mode):
+def test_peer_all_reduce_equals_nccl_and_replays_in_graphs(mode, monkeypatch):
+    monkeypatch.setenv("TURBOMQ_PEER_ALL_REDUCE_BYTES", str(16 << 20))  # 2048 rows (the ranks read it)
     _spawn_ranks(_peer_all_reduce_rank, mode)
 
 

@@ -118,6 +118,45 @@ def sharegpt_like(n: int, seed: int = 0) -> list[tuple[list[int], int]]:
     return [(rng.integers(1000, 120000, size=i).tolist(), int(o)) for i, o in zip(ins, outs)]
 
 
+# kernel name fragments -> the group a kernel's CUDA time is summed into (first match)
+KERNEL_GROUPS = (("attention", ("attention",)),
+                 ("GEMM", ("nvjet", "gemm", "gemv", "cutlass", "sm90_xmma")),
+                 ("quantize", ("quantize",)), ("all-reduce, peer", ("all_reduce",)),
+                 ("NCCL", ("nccl",)))
+
+
+def kernel_groups(events) -> str:
+    """A torch.profiler key_averages() summed by kind of kernel (ms), the
+    rest as "other"."""
+    sums: dict[str, float] = {}
+    for e in events:
+        us = e.self_device_time_total
+        if us <= 0:
+            continue
+        name = e.key.lower()
+        group = next((g for g, keys in KERNEL_GROUPS if any(k in name for k in keys)), "other")
+        sums[group] = sums.get(group, 0.0) + us / 1e3
+    return "kernel time by group (ms): " + ", ".join(f"{g} {ms:.0f}" for g, ms in sums.items())
+
+
+def profile_steps(engine: Engine, steps: int, rows: int = 25) -> tuple[float, str]:
+    """Run `steps` engine steps under torch.profiler (CUDA kernels): the
+    wall seconds, and the kernel time by kind (kernel_groups) above the
+    top `rows` kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    events = prof.key_averages()
+    table = events.table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=70)
+    return wall, f"{kernel_groups(events)}\n{table}"
+
+
 def run_offline(engine: Engine, work: list[tuple[list[int], int]]) -> dict:
     done = {"n": 0, "tokens": 0}
 

@@ -28,32 +28,14 @@ import time
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_engine import GREEDY, sharegpt_like  # noqa: E402
+from gpu_engine import GREEDY, profile_steps, sharegpt_like  # noqa: E402
 from gpu_tensor_parallel import all_reduce_mode, make_engine, write_checkpoint  # noqa: E402
 
 from turbomq.worker import SamplingParams  # noqa: E402
 
 ENGINES = (("1 GPU", dict(tensor_parallel=1)), ("2 GPUs", dict(tensor_parallel=2)))
-# kernel name fragments -> the group a kernel's CUDA time is summed into
-GROUPS = (("attention", ("attention",)), ("GEMM", ("nvjet", "gemm", "gemv", "cutlass")),
-          ("all-reduce, peer", ("all_reduce",)), ("NCCL", ("nccl",)))
-
-
-def kernel_groups(events) -> str:
-    """CUDA time summed by kind of kernel (ms), the rest as "other"."""
-    sums: dict[str, float] = {}
-    for e in events:
-        us = e.self_device_time_total
-        if us <= 0:
-            continue
-        group = next((g for g, keys in GROUPS if any(k in e.key.lower() for k in keys)), "other")
-        sums[group] = sums.get(group, 0.0) + us / 1e3
-    return "kernel time by group (ms): " + ", ".join(f"{g} {ms:.0f}" for g, ms in sums.items())
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True)
@@ -96,17 +78,9 @@ def main() -> None:
             host.disable()
             text = io.StringIO()
             pstats.Stats(host, stream=text).sort_stats("tottime").print_stats(25)
-            t0 = time.perf_counter()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                for _ in range(args.steps):
-                    engine.step()
-                torch.cuda.synchronize()
-            wall = time.perf_counter() - t0
-            events = prof.key_averages()
-            table = events.table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70)
+            wall, table = profile_steps(engine, args.steps)
             sections.append(f"== {name}: {args.steps} steps {plain * 1e3:.0f} ms unprofiled, the "
-                            f"next {args.steps} {wall * 1e3:.0f} ms profiled\n"
-                            f"{kernel_groups(events)}\n{table}\n"
+                            f"next {args.steps} {wall * 1e3:.0f} ms profiled\n{table}\n"
                             f"rank 0's host functions over the {args.steps} steps between:\n"
                             f"{text.getvalue()}")
             print(sections[-1], flush=True)

@@ -1,16 +1,17 @@
 // One-shot all-reduce over peer memory (NVLink), for the small messages of
 // tensor-parallel decode (a 4096-wide row is 8 KiB). Every rank's buffer is
 // mapped by every peer (CUDA IPC) and holds a slot per rank. Pushing (the
-// default up to kPushMaxBytes): every rank writes its input into its slot of every peer's
-// buffer, meets the peers at a flag barrier, then sums its own input and the
-// peers' slots of its own buffer. Pulling: every rank writes its input into its slot of its own
-// buffer and, after the barrier, reads each peer's slot from the peer's
-// buffer. One kernel, no NCCL launch, no ring steps; pushing leaves only
-// posted NVLink writes before the barrier and local reads after it, where
-// pulling waits for a read round trip over NVLink. Every rank sums
-// in rank order in fp32 and rounds once, so all ranks hold the same bits,
-// whatever the grid. The residual add of the projection it completes is
-// fused (out = residual + round(sum)), rounded as the separate add rounds.
+// default up to kPushMaxBytes): every rank writes its input into its slot of
+// every peer's buffer, meets the peers at a flag barrier, then sums its own
+// input and the peers' slots of its own buffer. Pulling: every rank writes
+// its input into its slot of its own buffer and, after the barrier, reads
+// each peer's slot from the peer's buffer. One kernel, no NCCL launch, no
+// ring steps; pushing leaves only posted NVLink writes before the barrier and
+// local reads after it, where pulling waits for a read round trip over
+// NVLink. Every rank sums in rank order in fp32 and rounds once, so all
+// ranks hold the same bits, whatever the grid. The residual add of the
+// projection it completes is fused (out = residual + round(sum)), rounded as
+// the separate add rounds.
 //
 // Layout of each rank's buffer (zeroed at allocation): the flags peers set
 // at the barrier ([block][rank] uint32), this rank's call counter and block

@@ -1,14 +1,14 @@
 """The tensor-parallel all-reduce on two GPUs: NCCL against the peer-memory
 kernel (native/cuda/all_reduce.cu) pulling, pushing, and its low-latency
-kernel (LL: data and call number in each line; up to 256 KiB), per call, as decode
-runs it: 64 calls in a row (two a layer of a 32-layer model), each adding
+kernel (LL: data and call number in each line; up to 256 KiB), per call, as
+decode runs it: 64 calls in a row (two a layer of a 32-layer model), each adding
 the sum into the residual stream, captured once as a CUDA graph and
 replayed; from one decode row to 1024 (a large decode batch), where the
 peer kernel should hand over to NCCL (TURBOMQ_PEER_ALL_REDUCE_BYTES; the
 run raises it to take every size; --rows times other sizes, such as
 prefill chunks). All rows from one run.
 
-    python benchmarks/gpu_all_reduce.py --out DIR [--rows 1024 4096 8192]   (on a machine with 2 GPUs)
+    python benchmarks/gpu_all_reduce.py --out DIR [--rows 1024 4096 8192]   (2 GPUs)
 
 Writes all_reduce.md and all_reduce.json to --out.
 """

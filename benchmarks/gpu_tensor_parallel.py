@@ -5,10 +5,11 @@ loads its slice from it).
 Engines one after the other, in one run, all with CUDA graphs: one GPU (at
 --max-batch-size, and 2, 4, 8 and 16 times that); two GPUs with every
 all-reduce through NCCL; two GPUs with the small all-reduces through peer
-memory, without and with (the default) its low-latency kernel for decode's, and again with 2, 4, 8 and 16 times the batch (the
-pool holds twice the tokens). --only picks the engines of a run. Each: decode at batch 1 (prompt 128, 256 new
-tokens), an offline
-batch of ShareGPT-like requests, and its KV pool size. --profile adds
+memory, without and with (the default) its low-latency kernel for
+decode's, and again with 2, 4, 8 and 16 times the batch (the pool holds
+twice the tokens). --only picks the engines of a run. Each: decode at
+batch 1 (prompt 128, 256 new tokens), an offline batch of ShareGPT-like
+requests, and its KV pool size. --profile adds
 torch.profiler tables of each engine's prefill and batch-1 decode on rank 0.
 
     BENCH=tensor_parallel bash benchmarks/run_gpu.sh   (on a machine with 2 GPUs)
@@ -50,15 +51,13 @@ CASES = [("1 GPU", dict(tensor_parallel=1), "peer", 1),
          ("2 GPUs, peer all-reduce, 16x batch", dict(tensor_parallel=2), "peer", 16)]
 
 
-PEER_BYTES: Optional[int] = None  # --peer-all-reduce-bytes
-
-
-def all_reduce_mode(mode: str) -> None:
+def all_reduce_mode(mode: str, peer_bytes: Optional[int] = None) -> None:
     """Small all-reduces through NCCL or peer memory ("peer-no-ll": without
-    the low-latency kernel), here (rank 0) and in the rank processes started
+    the low-latency kernel; the peer kernel takes messages up to `peer_bytes`,
+    default the engine's), here (rank 0) and in the rank processes started
     next (they read the environment)."""
     value = (0 if mode == "nccl" else
-             PEER_BYTES if PEER_BYTES is not None else parallel.PEER_ALL_REDUCE_BYTES_DEFAULT)
+             peer_bytes if peer_bytes is not None else parallel.PEER_ALL_REDUCE_BYTES_DEFAULT)
     os.environ["TURBOMQ_PEER_ALL_REDUCE_BYTES"] = str(value)
     parallel.PEER_ALL_REDUCE_BYTES = value
     ll = str(0 if mode == "peer-no-ll" else parallel.PEER_ALL_REDUCE_LL_BYTES_DEFAULT)
@@ -190,8 +189,6 @@ def main() -> None:
     ap.add_argument("--peer-all-reduce-bytes", type=int,
                     help="the largest message the peer all-reduce takes (default: the engine's)")
     args = ap.parse_args()
-    global PEER_BYTES
-    PEER_BYTES = args.peer_all_reduce_bytes
     args.out.mkdir(parents=True, exist_ok=True)
     if torch.cuda.device_count() < 2:
         raise SystemExit("tensor parallel benchmark: needs 2 CUDA devices")
@@ -205,7 +202,7 @@ def main() -> None:
         for name, case, mode, batch in CASES:
             if (args.without_nccl and mode == "nccl") or (args.only and name not in args.only):
                 continue
-            all_reduce_mode(mode)
+            all_reduce_mode(mode, args.peer_all_reduce_bytes)
             batch *= args.max_batch_size
             slug = "".join(c if c.isalnum() else "_" for c in name.lower())
             profile_to = args.out / f"tp_profile_{slug}.txt" if args.profile else None

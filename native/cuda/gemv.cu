@@ -380,7 +380,6 @@ __device__ __forceinline__ void quantize_x(const GemvArgs<T, Fp8>& a, uint4* xs,
   __syncthreads();
 }
 
-
 // ------------------------------------------------------ FP8, register-direct
 // Weights go straight from HBM to the mma's A registers (16-byte streaming
 // loads, a ring of kFp8Ring steps in flight per lane), and every load

@@ -230,10 +230,9 @@ constexpr int kAttentionPartitionAlign = 64;
 // own and the mapped ones, in rank order): out = in summed over the ranks,
 // or with `residual` != 0, out = residual + that (out may be in or
 // residual). 16-bit elements, 16-byte aligned, 16-byte multiples. Every
-// rank pushes its input into every buffer (the default) or, with
+// rank pushes its input into every peer's buffer (the default) or, with
 // set_all_reduce_push(false) and for every message over 12 MiB, reads the
-// peers' inputs from theirs; all
-// ranks must agree. Messages of at most set_all_reduce_ll_bytes (0: none;
+// peers' inputs from theirs; all ranks must agree. Messages of at most set_all_reduce_ll_bytes (0: none;
 // within kAllReduceLLMaxBytes) take the low-latency kernel (the data and
 // the call number in each line pushed: no flag barrier); all ranks must
 // agree on that too.

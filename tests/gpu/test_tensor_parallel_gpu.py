@@ -87,9 +87,9 @@ def _peer_all_reduce_rank(tp, rank: int, mode: str) -> None:
     ranks: one rounding of a + b either way), over messages of changing size
     (each a different grid), with the residual add fused, and replayed from a
     CUDA graph with fresh inputs (up to 2048 rows: several vectors a thread,
-    and past 12 MiB pulled whatever the mode).
-    "ll": messages up to 256 KiB (32 rows) take
-    the low-latency kernel, larger ones the pushing kernel, interleaved."""
+    and past 12 MiB pulled whatever the mode). "ll": messages up to 256 KiB
+    (32 rows) take the low-latency kernel, larger ones the pushing kernel,
+    interleaved."""
     from turbomq.worker.model.ops import cuda as cuda_ops
 
     cuda_ops._k.set_all_reduce_push(mode != "pull")

@@ -25,6 +25,7 @@
 #include <type_traits>
 
 #include "common.cuh"
+#include "mma.cuh"
 
 namespace turbomq {
 namespace cuda {
@@ -115,18 +116,40 @@ __device__ __forceinline__ int rope_row(int p, int head_dim) {
   return (p / half) * head_dim + p % half;
 }
 
+// Copies n 16-byte vectors from global src to shared dst with cp.async, as
+// one commit group: every copy is in flight at once, so the whole copy costs
+// one L2 round trip (a load loop pays one per unrolled group, and under the
+// other blocks' weight streams a round trip takes microseconds). Every
+// thread of the block takes part; cp_async_wait and a barrier make it visible.
+template <int kThreads>
+__device__ __forceinline__ void copy_async(uint4* dst, const uint4* src, int n) {
+  const auto base = static_cast<std::uint32_t>(__cvta_generic_to_shared(dst));
+  for (int i = threadIdx.x; i < n; i += kThreads) cp_async16(base + 16 * i, src + i, true);
+  cp_async_commit();
+}
+
+// kRmsNorm: the norm weight's copy into shared memory `nws`, issued with the
+// first weight loads (before grid_dependency_wait: it is a weight).
+template <typename T, typename TW, int W, Prologue P>
+__device__ __forceinline__ void prefetch_norm_weight(const GemvArgs<T, TW>& a, uint4* nws) {
+  if constexpr (P == Prologue::kRmsNorm) {
+    copy_async<W * 32>(nws, reinterpret_cast<const uint4*>(a.norm_w), a.k_in / 8);
+  }
+}
+
 // Stages the M x rows in shared memory (x is read only after
-// grid_dependency_wait: the previous kernel may still be writing it; through
-// L2, __ldcg) and, with kRmsNorm, normalizes them in place. Every thread of
-// the block takes part; `partial` is the block's [W][M] scratch.
+// grid_dependency_wait: the previous kernel may still be writing it; cp.async
+// reads through L2) and, with kRmsNorm, normalizes them in place with the
+// norm weight prefetched into `nws`. Every thread of the block takes part;
+// `partial` is the block's [W][M] scratch.
 template <typename T, typename TW, int M, int W, Prologue P>
-__device__ __forceinline__ void stage_x(const GemvArgs<T, TW>& a, uint4* xs,
+__device__ __forceinline__ void stage_x(const GemvArgs<T, TW>& a, uint4* xs, const uint4* nws,
                                         float (&partial)[W][M]) {
   constexpr int kThreads = W * 32;
   const int lane = threadIdx.x % 32;
   const int kxv = a.k_in / 8;  // 8-value x vectors per row
-  const uint4* xv = reinterpret_cast<const uint4*>(a.x);
-  for (int i = threadIdx.x; i < M * kxv; i += kThreads) xs[i] = __ldcg(xv + i);
+  copy_async<kThreads>(xs, reinterpret_cast<const uint4*>(a.x), M * kxv);
+  cp_async_wait<0>();  // x, and the norm weight
   __syncthreads();
   if constexpr (P == Prologue::kRmsNorm) {
     // x[m] <- norm_w * to_T(x[m] * rsqrt(mean(x[m]^2) + eps)), as rms_norm.
@@ -152,10 +175,9 @@ __device__ __forceinline__ void stage_x(const GemvArgs<T, TW>& a, uint4* xs,
       for (int i = 0; i < W; ++i) total += partial[i][m];
       inv[m] = rsqrtf(total / static_cast<float>(a.k_in) + a.eps);
     }
-    const uint4* nw = reinterpret_cast<const uint4*>(a.norm_w);
     for (int i = threadIdx.x; i < kxv; i += kThreads) {
       float g[8];
-      widen8<T>(__ldg(nw + i), g);
+      widen8<T>(nws[i], g);
 #pragma unroll
       for (int m = 0; m < M; ++m) {
         float f[8];
@@ -169,9 +191,10 @@ __device__ __forceinline__ void stage_x(const GemvArgs<T, TW>& a, uint4* xs,
   }
 }
 
-// One output (m, n) of the epilogue, from the fp32 product v (and, for the
-// paired epilogues, v2: the up row of silu_mul, the second row of a rotation
-// pair n).
+// One output (m, n) of the epilogue, from the fp32 product v and v2: for the
+// paired epilogues the up row of silu_mul or the second row of rotation pair
+// n; for kAddInto the residual y[m, n] as a float (the caller reads it early,
+// right after grid_dependency_wait, so that the read is off the kernel's tail).
 template <typename T, typename TW, Epilogue E>
 __device__ __forceinline__ void store_output(const GemvArgs<T, TW>& a, int m, int n, float v,
                                              float v2) {
@@ -210,9 +233,15 @@ __device__ __forceinline__ void store_output(const GemvArgs<T, TW>& a, int m, in
         from_float<T>(round_to<T>(g / (1.0f + expf(-g))) * u);
   } else {
     T* dst = a.y + static_cast<std::int64_t>(m) * a.n_out + n;
-    if constexpr (E == Epilogue::kAddInto) v = round_to<T>(v) + to_float(*dst);
+    if constexpr (E == Epilogue::kAddInto) v = round_to<T>(v) + v2;
     *dst = from_float<T>(v);
   }
+}
+
+// kAddInto: the residual y[m, n] the epilogue adds into, as a float.
+template <typename T, typename TW>
+__device__ __forceinline__ float residual(const GemvArgs<T, TW>& a, int m, int n) {
+  return to_float(__ldcg(a.y + static_cast<std::int64_t>(m) * a.n_out + n));
 }
 
 // Weight row of a warp's (16-bit) or tile's (FP8) r-th row pairing, for the
@@ -238,7 +267,7 @@ __global__ void __launch_bounds__(W * 32) gemv_kernel(const GemvArgs<T, T> a) {
                 "silu_mul and rope pair two rows per warp");
   constexpr bool kPaired = E == Epilogue::kSiluMul || E == Epilogue::kRopeKV;
   constexpr int kU = kInFlight / R;  // chunks per row per iteration
-  extern __shared__ uint4 xs[];      // [M][kv] with kSmemX
+  extern __shared__ uint4 xs[];      // [M][kv] with kSmemX, then the norm weight [kv]
   __shared__ float partial[W][M];    // kRmsNorm: per-warp sums of squares
   launch_dependents();               // a following GEMV may start fetching its weights
   const int lane = threadIdx.x % 32;
@@ -256,10 +285,17 @@ __global__ void __launch_bounds__(W * 32) gemv_kernel(const GemvArgs<T, T> a) {
   uint4 wv[kU][R];
   int base = lane;
   load_weights<kU, R>(wv, wr, base, kv);  // independent of the previous kernel
+  uint4* nws = xs + M * kv;
+  prefetch_norm_weight<T, T, W, P>(a, nws);
 
   grid_dependency_wait();
+  // Non-paired: lane m * R + r writes (m, n0 + r); with kAddInto it reads its residual now.
+  float resid = 0.0f;
+  if constexpr (E == Epilogue::kAddInto) {
+    if (lane < M * R && n0 + lane % R < a.n_out) resid = residual(a, lane / R, n0 + lane % R);
+  }
   const uint4* xv = reinterpret_cast<const uint4*>(a.x);
-  if constexpr (kSmemX) stage_x<T, T, M, W, P>(a, xs, partial);
+  if constexpr (kSmemX) stage_x<T, T, M, W, P>(a, xs, nws, partial);
 
   float acc[M][R];
 #pragma unroll
@@ -296,7 +332,7 @@ __global__ void __launch_bounds__(W * 32) gemv_kernel(const GemvArgs<T, T> a) {
   for (int m = 0; m < M; ++m)
 #pragma unroll
     for (int r = 0; r < R; ++r) acc[m][r] = warp_sum(acc[m][r]);
-  // Paired: lane m writes (m, n0). Otherwise lane m * R + r writes (m, n0 + r).
+  // Paired: lane m writes (m, n0).
 #pragma unroll
   for (int m = 0; m < M; ++m) {
     if constexpr (kPaired) {
@@ -304,7 +340,7 @@ __global__ void __launch_bounds__(W * 32) gemv_kernel(const GemvArgs<T, T> a) {
     } else {
 #pragma unroll
       for (int r = 0; r < R; ++r) {
-        if (lane == m * R + r && n0 + r < a.n_out) store_output<T, T, E>(a, m, n0 + r, acc[m][r], 0.0f);
+        if (lane == m * R + r && n0 + r < a.n_out) store_output<T, T, E>(a, m, n0 + r, acc[m][r], resid);
       }
     }
   }
@@ -330,21 +366,21 @@ constexpr int kFp8SmemBytes = 219 * 1024;
 // 64, so that lanes reading x rows m and m + 1 hit different banks.
 __host__ __device__ __forceinline__ int fp8_x_pitch(int k_in) { return (k_in + 127) / 128 * 128 + 64; }
 
-// x rows normalized (kRmsNorm: staged in `xs` first, as stage_x) and
-// quantized per row into `xq` (rows fp8_x_pitch bytes apart), exactly as
-// quantize_fp8; every thread of the block takes part and gets the scales.
+// x rows staged in `xs` (where `staged`; always with kRmsNorm, which
+// normalizes them there, as stage_x) and quantized per row into `xq` (rows
+// fp8_x_pitch bytes apart), exactly as quantize_fp8; every thread of the
+// block takes part and gets the scales.
 template <typename T, int M, int W, Prologue P>
-__device__ __forceinline__ void quantize_x(const GemvArgs<T, Fp8>& a, uint4* xs, std::uint8_t* xq,
+__device__ __forceinline__ void quantize_x(const GemvArgs<T, Fp8>& a, bool staged, uint4* xs,
+                                           const uint4* nws, std::uint8_t* xq,
                                            float (&partial)[W][M], float (&scale)[M]) {
   constexpr int kThreads = W * 32;
   const int lane = threadIdx.x % 32;
   const int kxv = a.k_in / 8;
-  const uint4* src = reinterpret_cast<const uint4*>(a.x);
-  if constexpr (P == Prologue::kRmsNorm) {
-    stage_x<T, Fp8, M, W, P>(a, xs, partial);
-    src = xs;
-  }
-  auto value = [&](int i) { return P == Prologue::kRmsNorm ? src[i] : __ldcg(src + i); };
+  staged = staged || P == Prologue::kRmsNorm;
+  if (staged) stage_x<T, Fp8, M, W, P>(a, xs, nws, partial);
+  const uint4* src = staged ? xs : reinterpret_cast<const uint4*>(a.x);
+  auto value = [&](int i) { return staged ? src[i] : __ldcg(src + i); };
   uint2* q = reinterpret_cast<uint2*>(xq);
   const int pitch = fp8_x_pitch(a.k_in) / 8;  // in 8-byte E4M3 groups
 #pragma unroll
@@ -405,6 +441,34 @@ constexpr int kFp8Warps = 8;
 constexpr int kFp8Ring = 8;       // 128-byte steps in flight per warp (two loads a lane each)
 constexpr int kFp8MaxTiles = 32;  // tiles per block (their partial sums stay in shared memory)
 
+// Shared memory past which two FP8 GEMV blocks no longer fit an SM (228 KiB,
+// 1 KiB reserved a block, the static partials).
+constexpr int kFp8TwoBlockSmemBytes = 112 * 1024;
+
+// The FP8 GEMV's dynamic shared memory, byte offsets in order: the tiles'
+// weight-row table ([kFp8MaxTiles + 1][8] int64); x's E4M3 rows and a row of
+// zeros (the B columns past M); x staged in 16 bits; the norm weight
+// (kRmsNorm); the warps' sums per tile. x is staged always with the norm,
+// otherwise where two blocks still fit an SM (else quantize_x reads x from
+// L2 twice). The host (launch) and the kernel compute the same layout.
+struct Fp8Smem {
+  int x_q, x_16, norm_w, sums, bytes;
+  bool staged;
+};
+__host__ __device__ __forceinline__ Fp8Smem fp8_smem(int m, int k_in, int t_bytes, bool norm,
+                                                     int tiles_per_block, int warps) {
+  Fp8Smem l{};
+  l.x_q = (kFp8MaxTiles + 1) * 8 * static_cast<int>(sizeof(std::int64_t));
+  l.x_16 = l.x_q + (m + 1) * fp8_x_pitch(k_in);
+  const int sums_bytes = tiles_per_block * warps * 32 * static_cast<int>(sizeof(float));
+  const int x_bytes = m * k_in * t_bytes, norm_bytes = norm ? k_in * t_bytes : 0;
+  l.staged = norm || l.x_16 + x_bytes + sums_bytes <= kFp8TwoBlockSmemBytes;
+  l.norm_w = l.x_16 + (l.staged ? x_bytes : 0);
+  l.sums = l.norm_w + norm_bytes;
+  l.bytes = l.sums + sums_bytes;
+  return l;
+}
+
 template <typename T, int M, Prologue P, Epilogue E>
 __global__ void __launch_bounds__(kFp8Warps * 32) gemv_fp8_kernel(const GemvArgs<T, Fp8> a) {
   static_assert(M <= 4, "x rows times two segments are the mma's 8 columns");
@@ -416,17 +480,16 @@ __global__ void __launch_bounds__(kFp8Warps * 32) gemv_fp8_kernel(const GemvArgs
   __shared__ float partial[W][M];
   launch_dependents();
   const int x_pitch = fp8_x_pitch(a.k_in);
-  // [kFp8MaxTiles + 1][8] byte offsets of the tiles' weight rows; x's E4M3
-  // rows and a row of zeros (the B columns past M); x staged for the norm;
-  // the warps' sums per tile.
+  const int tiles = (a.n_out + kCols - 1) / kCols;
+  const Fp8Smem layout = fp8_smem(M, a.k_in, sizeof(T), P == Prologue::kRmsNorm,
+                                  (tiles + gridDim.x - 1) / gridDim.x, W);
   auto* row_at = reinterpret_cast<std::int64_t*>(smem);
-  std::uint8_t* xq = smem + (kFp8MaxTiles + 1) * 8 * sizeof(std::int64_t);
-  uint4* xs = reinterpret_cast<uint4*>(xq + (M + 1) * x_pitch);
-  float* sums = reinterpret_cast<float*>(reinterpret_cast<std::uint8_t*>(xs) +
-                                         (P == Prologue::kRmsNorm ? M * a.k_in * sizeof(T) : 0));
+  std::uint8_t* xq = smem + layout.x_q;
+  uint4* xs = reinterpret_cast<uint4*>(smem + layout.x_16);
+  uint4* nws = reinterpret_cast<uint4*>(smem + layout.norm_w);
+  float* sums = reinterpret_cast<float*>(smem + layout.sums);
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int hd = a.rope.head_dim;
-  const int tiles = (a.n_out + kCols - 1) / kCols;
   const int t_begin = static_cast<int>(static_cast<std::int64_t>(blockIdx.x) * tiles / gridDim.x);
   const int n_tiles =
       static_cast<int>(static_cast<std::int64_t>(blockIdx.x + 1) * tiles / gridDim.x) - t_begin;
@@ -469,9 +532,30 @@ __global__ void __launch_bounds__(kFp8Warps * 32) gemv_fp8_kernel(const GemvArgs
     if (u < items) load_next(va[u], vb[u]);  // independent of the previous kernel
   }
 
+  prefetch_norm_weight<T, Fp8, W, P>(a, nws);
+  // The epilogue's first output of this thread (i = threadIdx.x: tile
+  // i / kPer, column i % kPer / M, x row i % M): its weight scales are read
+  // now, with the weights, and its residual (kAddInto) right after
+  // grid_dependency_wait, so that neither round trip is on the kernel's tail.
+  constexpr int kPer = kCols * M;
+  auto out_col = [&](int i) { return (t_begin + i / kPer) * kCols + i % kPer / M; };
+  auto w_scale_of = [&](int i, int second) {
+    return __ldg(a.w_scale + weight_row<E>(out_col(i), second, a.n_out, hd));
+  };
+  const bool first_out = threadIdx.x < n_tiles * kPer && out_col(threadIdx.x) < a.n_out;
+  float first_scale[2] = {0.0f, 0.0f};
+  if (first_out) {
+    first_scale[0] = w_scale_of(threadIdx.x, 0);
+    if constexpr (kPaired) first_scale[1] = w_scale_of(threadIdx.x, 1);
+  }
+
   grid_dependency_wait();
+  float first_resid = 0.0f;
+  if constexpr (E == Epilogue::kAddInto) {
+    if (first_out) first_resid = residual(a, threadIdx.x % M, out_col(threadIdx.x));
+  }
   float sx[M];
-  quantize_x<T, M, W, P>(a, xs, xq, partial, sx);
+  quantize_x<T, M, W, P>(a, layout.staged, xs, nws, xq, partial, sx);
 
   // This lane's B column g: segment g / 4 of x row g % 4 (the zero row past M).
   const std::uint8_t* x_first =
@@ -511,20 +595,20 @@ __global__ void __launch_bounds__(kFp8Warps * 32) gemv_fp8_kernel(const GemvArgs
   __syncthreads();
   // The epilogue: a thread per (tile, column, x row) adds the warps' sums in order.
   const int warps = min(W, steps);
-  constexpr int kPer = kCols * M;
   for (int i = threadIdx.x; i < n_tiles * kPer; i += W * 32) {
     const int tl = i / kPer, c = i % kPer / M, m = i % M;
-    const int col = (t_begin + tl) * kCols + c;
+    const int col = out_col(i);
     if (col >= a.n_out) continue;
+    const bool first = i == threadIdx.x;
     auto total = [&](int r) {
       float v = 0.0f;
       for (int wi = 0; wi < warps; ++wi) v += sums[(tl * W + wi) * 32 + r * 4 + m];
       return v;
     };
-    const float lo = total(c) * sx[m] * __ldg(a.w_scale + weight_row<E>(col, 0, a.n_out, hd));
-    const float hi =
-        kPaired ? total(c + 4) * sx[m] * __ldg(a.w_scale + weight_row<E>(col, 1, a.n_out, hd))
-                : 0.0f;
+    const float lo = total(c) * sx[m] * (first ? first_scale[0] : w_scale_of(i, 0));
+    float hi = 0.0f;
+    if constexpr (kPaired) hi = total(c + 4) * sx[m] * (first ? first_scale[1] : w_scale_of(i, 1));
+    if constexpr (E == Epilogue::kAddInto) hi = first ? first_resid : residual(a, m, col);
     store_output<T, Fp8, E>(a, m, col, lo, hi);
   }
 }
@@ -547,10 +631,12 @@ void launch_gemv_x(const GemvArgs<T, T>& a, cudaStream_t s) {
   constexpr int R = (kPaired || M > 2) ? 2 : 1;
   constexpr int kColsPerWarp = kPaired ? 1 : R;
   static bool opted_in = false;  // one instantiation, one attribute call
-  const std::size_t smem = kSmemX ? static_cast<std::size_t>(M) * a.k_in * sizeof(T) : 0;
+  // x's rows, then (kRmsNorm) the norm weight.
+  const int x_rows = M + (P == Prologue::kRmsNorm ? 1 : 0);
+  const std::size_t smem = kSmemX ? static_cast<std::size_t>(x_rows) * a.k_in * sizeof(T) : 0;
   const int warps = (a.n_out + kColsPerWarp - 1) / kColsPerWarp;
   launch(gemv_kernel<T, M, R, W, kSmemX, P, E>, a, (warps + W - 1) / W, W * 32, smem,
-         kGemvSmemBytes, opted_in, s, "gemv_kernel");
+         2 * kGemvSmemBytes, opted_in, s, "gemv_kernel");
 }
 
 // Two blocks an SM (their registers fill it), more where a block would
@@ -564,10 +650,7 @@ void launch_gemv_fp8(const GemvArgs<T, Fp8>& a, cudaStream_t s) {
       std::min(tiles, std::max(2 * sm_count(), (tiles + kFp8MaxTiles - 1) / kFp8MaxTiles));
   const int per_block = (tiles + blocks - 1) / blocks;
   const std::size_t smem =
-      (kFp8MaxTiles + 1) * 8 * sizeof(std::int64_t) +
-      static_cast<std::size_t>(M + 1) * fp8_x_pitch(a.k_in) +
-      (P == Prologue::kRmsNorm ? static_cast<std::size_t>(M) * a.k_in * sizeof(T) : 0) +
-      static_cast<std::size_t>(per_block) * kFp8Warps * 32 * sizeof(float);
+      fp8_smem(M, a.k_in, sizeof(T), P == Prologue::kRmsNorm, per_block, kFp8Warps).bytes;
   launch(gemv_fp8_kernel<T, M, P, E>, a, blocks, kFp8Warps * 32, smem, kFp8SmemBytes, opted_in,
          s, "gemv_fp8_kernel");
 }
@@ -578,11 +661,10 @@ void launch_gemv_fp8(const GemvArgs<T, Fp8>& a, cudaStream_t s) {
 template <typename T, typename TW, int M, Prologue P, Epilogue E>
 void launch_gemv(const GemvArgs<T, TW>& a, cudaStream_t s) {
   if constexpr (std::is_same_v<TW, Fp8>) {
-    // x's E4M3 rows and the zero row, and the 16-bit rows the norm stages.
-    require(static_cast<std::int64_t>(M + 1) * a.k_in +
-                    (P == Prologue::kRmsNorm ? static_cast<std::int64_t>(M) * a.k_in * sizeof(T) : 0) <=
-                kGemvFp8XBytes,
-            "gemv: FP8 weights need (rows + 1) * K (+ rows * K * 2 with the norm) <= " +
+    // x's E4M3 rows and the zero row, and with the norm x's 16-bit rows and the norm weight.
+    require(static_cast<std::int64_t>(M + 1) * a.k_in *
+                    (P == Prologue::kRmsNorm ? 1 + sizeof(T) : 1) <= kGemvFp8XBytes,
+            "gemv: FP8 weights need (rows + 1) * K (* 3 with the norm) <= " +
                 std::to_string(kGemvFp8XBytes) + " bytes");
     return launch_gemv_fp8<T, M, P, E>(a, s);
   } else {

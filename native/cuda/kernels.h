@@ -73,16 +73,16 @@ void rotary_write_kv(std::uintptr_t q_out, std::uintptr_t q, std::int64_t q_stri
 // runs (the other kernels here signal it early), issues its first weight
 // loads, and waits for that kernel before reading x.
 // w_scale != 0: w is E4M3 [N, K] with a float32 scale per row at w_scale (K
-// a multiple of 128, at most 4 rows, (rows + 1) * K (+ rows * K * 2 with the
-// norm) <= kGemvFp8XBytes: x's E4M3 copy, a zero row and the staged 16-bit x
-// live in shared memory; on the tensor cores, weights loaded straight into
-// their registers); x is quantized per row in the kernel exactly as
+// a multiple of 128, at most 4 rows, (rows + 1) * K (* 3 with the norm) <=
+// kGemvFp8XBytes: x's E4M3 copy, a zero row and, with the norm, the staged
+// 16-bit x and the norm weight live in shared memory; on the tensor cores,
+// weights loaded straight into their registers); x is quantized per row in the kernel exactly as
 // quantize_fp8, and y is fp8_linear_reference's product (before the
 // epilogue, which is as above).
 constexpr int kGemvMaxRows = 8;
 constexpr int kGemvMaxFusedRows = 4;  // with a norm or a non-store epilogue
 constexpr int kGemvSmemBytes = 64 * 1024;  // x staged in shared memory up to this size
-constexpr int kGemvFp8XBytes = 144 * 1024;  // FP8: x (and, with the norm, its 16-bit copy)
+constexpr int kGemvFp8XBytes = 144 * 1024;  // FP8: x (and, with the norm, its 16-bit copy and the norm weight)
 enum class GemvEpilogue : int { kStore = 0, kAddInto = 1, kSiluMul = 2 };
 void set_programmatic_launch(bool on);
 bool programmatic_launch();

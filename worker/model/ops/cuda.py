@@ -468,12 +468,11 @@ def quantize_fp8(x: torch.Tensor, norm: Optional[tuple[torch.Tensor, float]] = N
 def _fp8_gemv_ok(x: torch.Tensor, w: Fp8Weight, rows: int,
                  norm: Optional[tuple[torch.Tensor, float]]) -> bool:
     """Whether the FP8 GEMV takes x (its rows quantized in shared memory, and
-    staged there for the norm) and w."""
+    staged there with the norm weight for the norm) and w."""
     k_in = x.shape[-1]
     return (0 < rows <= min(FP8_GEMV_MAX_ROWS, _k.GEMV_MAX_FUSED_ROWS if _k else 0)
             and _native_ok(x, w.data) and x.dtype in _HALF and k_in % 128 == 0
-            and (rows + 1) * k_in + (0 if norm is None else 2 * rows * k_in)
-            <= _k.GEMV_FP8_X_BYTES
+            and (rows + 1) * k_in * (1 if norm is None else 3) <= _k.GEMV_FP8_X_BYTES
             and w.data.dim() == 2 and w.data.shape[1] == k_in and w.data.is_contiguous()
             and w.data.data_ptr() % 16 == 0 and w.scale.dtype == torch.float32
             and w.scale.is_contiguous() and w.scale.numel() == w.data.shape[0]

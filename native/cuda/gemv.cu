@@ -191,13 +191,37 @@ __device__ __forceinline__ void stage_x(const GemvArgs<T, TW>& a, uint4* xs, con
   }
 }
 
+// kRopeKV: what output pair (m, n) needs besides its product: the rotation
+// (cos and sin at its position; q and k heads) and its cache slot (k and v
+// heads). The caller reads it right after grid_dependency_wait, so that its
+// two dependent round trips (the position, then cos and sin) are not on the
+// kernel's tail.
+struct RopeIn {
+  float c, s;
+  std::int64_t slot;
+};
+template <typename T, typename TW>
+__device__ __forceinline__ RopeIn rope_in(const GemvArgs<T, TW>& a, int m, int n) {
+  const RopeKV& rp = a.rope;
+  const int half = rp.head_dim / 2, head = n / half, j = n % half;
+  RopeIn r{0.0f, 0.0f, -1};
+  if (head < rp.num_heads + rp.num_kv_heads) {
+    const float* cs = rp.cos_sin + rp.positions[m] * rp.head_dim;
+    r.c = cs[j];
+    r.s = cs[half + j];
+  }
+  if (head >= rp.num_heads) r.slot = rp.slots[m];
+  return r;
+}
+
 // One output (m, n) of the epilogue, from the fp32 product v and v2: for the
 // paired epilogues the up row of silu_mul or the second row of rotation pair
 // n; for kAddInto the residual y[m, n] as a float (the caller reads it early,
-// right after grid_dependency_wait, so that the read is off the kernel's tail).
+// right after grid_dependency_wait, so that the read is off the kernel's
+// tail); kRopeKV takes `rin` = rope_in(a, m, n).
 template <typename T, typename TW, Epilogue E>
 __device__ __forceinline__ void store_output(const GemvArgs<T, TW>& a, int m, int n, float v,
-                                             float v2) {
+                                             float v2, const RopeIn& rin = RopeIn{}) {
   if constexpr (E == Epilogue::kRopeKV) {
     // Rotated as rotary does (products and sum rounded apart), stored as
     // rotary_write_kv would.
@@ -205,17 +229,15 @@ __device__ __forceinline__ void store_output(const GemvArgs<T, TW>& a, int m, in
     const int half = rp.head_dim / 2, head = n / half, j = n % half;
     float lo = round_to<T>(v), hi = round_to<T>(v2);
     if (head < rp.num_heads + rp.num_kv_heads) {
-      const float* cs = rp.cos_sin + rp.positions[m] * rp.head_dim;
-      const float c = cs[j], sn = cs[half + j];
-      const float l = __fadd_rn(__fmul_rn(lo, c), __fmul_rn(-hi, sn));
-      hi = __fadd_rn(__fmul_rn(hi, c), __fmul_rn(lo, sn));
+      const float l = __fadd_rn(__fmul_rn(lo, rin.c), __fmul_rn(-hi, rin.s));
+      hi = __fadd_rn(__fmul_rn(hi, rin.c), __fmul_rn(lo, rin.s));
       lo = l;
     }
     T* dst;
     if (head < rp.num_heads) {
       dst = a.y + (static_cast<std::int64_t>(m) * rp.num_heads + head) * rp.head_dim;
     } else {
-      const std::int64_t slot = rp.slots[m];
+      const std::int64_t slot = rin.slot;
       if (slot < 0) return;
       const bool is_k = head < rp.num_heads + rp.num_kv_heads;
       const int kvh = head - rp.num_heads - (is_k ? 0 : rp.num_kv_heads);
@@ -294,6 +316,10 @@ __global__ void __launch_bounds__(W * 32) gemv_kernel(const GemvArgs<T, T> a) {
   if constexpr (E == Epilogue::kAddInto) {
     if (lane < M * R && n0 + lane % R < a.n_out) resid = residual(a, lane / R, n0 + lane % R);
   }
+  RopeIn rin{};  // paired: lane m writes (m, n0)
+  if constexpr (E == Epilogue::kRopeKV) {
+    if (lane < M && n0 < a.n_out) rin = rope_in(a, lane, n0);
+  }
   const uint4* xv = reinterpret_cast<const uint4*>(a.x);
   if constexpr (kSmemX) stage_x<T, T, M, W, P>(a, xs, nws, partial);
 
@@ -336,7 +362,7 @@ __global__ void __launch_bounds__(W * 32) gemv_kernel(const GemvArgs<T, T> a) {
 #pragma unroll
   for (int m = 0; m < M; ++m) {
     if constexpr (kPaired) {
-      if (lane == m && n0 < a.n_out) store_output<T, T, E>(a, m, n0, acc[m][0], acc[m][1]);
+      if (lane == m && n0 < a.n_out) store_output<T, T, E>(a, m, n0, acc[m][0], acc[m][1], rin);
     } else {
 #pragma unroll
       for (int r = 0; r < R; ++r) {
@@ -551,8 +577,10 @@ __global__ void __launch_bounds__(kFp8Warps * 32) gemv_fp8_kernel(const GemvArgs
 
   grid_dependency_wait();
   float first_resid = 0.0f;
-  if constexpr (E == Epilogue::kAddInto) {
-    if (first_out) first_resid = residual(a, threadIdx.x % M, out_col(threadIdx.x));
+  RopeIn first_rope{};
+  if (first_out) {
+    if constexpr (E == Epilogue::kAddInto) first_resid = residual(a, threadIdx.x % M, out_col(threadIdx.x));
+    if constexpr (E == Epilogue::kRopeKV) first_rope = rope_in(a, threadIdx.x % M, out_col(threadIdx.x));
   }
   float sx[M];
   quantize_x<T, M, W, P>(a, layout.staged, xs, nws, xq, partial, sx);
@@ -609,7 +637,9 @@ __global__ void __launch_bounds__(kFp8Warps * 32) gemv_fp8_kernel(const GemvArgs
     float hi = 0.0f;
     if constexpr (kPaired) hi = total(c + 4) * sx[m] * (first ? first_scale[1] : w_scale_of(i, 1));
     if constexpr (E == Epilogue::kAddInto) hi = first ? first_resid : residual(a, m, col);
-    store_output<T, Fp8, E>(a, m, col, lo, hi);
+    RopeIn rin{};
+    if constexpr (E == Epilogue::kRopeKV) rin = first ? first_rope : rope_in(a, m, col);
+    store_output<T, Fp8, E>(a, m, col, lo, hi, rin);
   }
 }
 

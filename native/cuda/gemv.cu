@@ -3,7 +3,7 @@
 // read once with 16-byte streaming loads (no L1 allocation), 16 loads in
 // flight per lane. Launched as a programmatic dependent, it issues its first
 // weight loads while the previous kernel is still running, then waits for it
-// and stages the few x rows in shared memory. A warp owns R output rows
+// and stages the few x rows in shared memory. A warp owns R = 2 output rows
 // and reduces over all of K: lane l takes 16-byte chunks l, l + 32, ... of
 // each row (512 contiguous bytes per warp load), accumulates in fp32, and a
 // warp reduction finishes. Each (m, n) sums in the same order whatever M and
@@ -658,7 +658,12 @@ void launch(K kernel, const A& a, int blocks, int threads, std::size_t smem, std
 template <typename T, int M, int W, bool kSmemX, Prologue P, Epilogue E>
 void launch_gemv_x(const GemvArgs<T, T>& a, cudaStream_t s) {
   constexpr bool kPaired = E == Epilogue::kSiluMul || E == Epilogue::kRopeKV;
-  constexpr int R = (kPaired || M > 2) ? 2 : 1;
+  // Two weight rows a warp at every M: at one row the o and down projections
+  // (4096 outputs) then run in one wave, every block resident and fetching
+  // from the start (one row a warp took 1.5-2 waves: the second wave's
+  // loads began only as the first wave's blocks left). Decode step 5.575 ->
+  // 5.494 ms on the H100 (docs/kernels.md). Row sums do not depend on R.
+  constexpr int R = 2;
   constexpr int kColsPerWarp = kPaired ? 1 : R;
   static bool opted_in = false;  // one instantiation, one attribute call
   // x's rows, then (kRmsNorm) the norm weight.

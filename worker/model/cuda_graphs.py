@@ -182,7 +182,6 @@ class DecodeGraphs(_Graphs):
         self.inputs.upload()  # both hold the same
         self.q_lens = torch.ones(n, dtype=torch.int32, device=dev)
         self.cu_q_lens = torch.arange(n + 1, dtype=torch.int32, device=dev)
-        self.rows = torch.arange(n, device=dev)  # every row's logits are kept
         self._scratch_table_row = np.full(self.width, -1, dtype=np.int32)
         self._scratch_table_row[0] = scratch_block
 
@@ -237,7 +236,8 @@ class DecodeGraphs(_Graphs):
     def _forward(self, bucket: int, batch: AttentionBatch) -> torch.Tensor:
         d = self.inputs.device
         ids = torch.cat([self.prev_tokens, d["input_ids"]])[d["sources"][:bucket]]
-        return self.model.forward(ids, batch, self.kv_cache, self.rows[:bucket])
+        # every row's logits are kept: a slice, so no gather kernel
+        return self.model.forward(ids, batch, self.kv_cache, slice(None))
 
 
 def fill_prefill_inputs(h: dict[str, np.ndarray], input_ids: list[int], context_len: int,

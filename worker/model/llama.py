@@ -100,9 +100,10 @@ class LlamaModel:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, batch: AttentionBatch, kv: PagedKVCache,
-                logits_indices: Optional[torch.Tensor] = None) -> torch.Tensor:
+                logits_indices: Optional[torch.Tensor | slice] = None) -> torch.Tensor:
         """input_ids: [T]. Returns float32 logits of the rows in `logits_indices`
-        (default: the last new token of every sequence), [N, vocab]."""
+        (indices, or a slice such as slice(None) for every row; default: the
+        last new token of every sequence), [N, vocab]."""
         cfg, ops = self.config, self.ops
         t = input_ids.shape[0]
         # The residual stream, updated in place by the o and down projections;

@@ -5,11 +5,11 @@ One replay of the batch-1 decode graph (256-token context) is profiled, and
 each kernel is charged the time from the previous kernel's end to its own
 end: with programmatic launch a kernel starts while the one before it runs,
 so its duration overstates what it adds to the step, and the charges add
-up to the step. Kernels are named by their place in the layer (qkv,
-attention, o, gate_up, down; the rest by kernel name), summed over the 32
+up to the step. Projections are named by their place in the layer (qkv,
+o, gate_up, down; the rest by kernel name), summed over the 32
 layers, with the weight bytes each projection reads over its charge.
 
-    python benchmarks/gpu_decode_timeline.py --out DIR [--modes bf16 fp8-lm-head]
+    python benchmarks/gpu_decode_timeline.py --out DIR [--modes bf16 fp8-lm-head deterministic]
 
 Writes decode_timeline.md and decode_timeline.json into DIR.
 """
@@ -36,12 +36,12 @@ _spec = importlib.util.spec_from_file_location("gpu_engine", Path(__file__).with
 gpu_engine = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(gpu_engine)
 CFG = gpu_engine.LLAMA3_8B
-LAYER = ("attention", "o", "gate_up", "down", "qkv")  # the kernels after each attention
+PROJECTIONS = ("o", "gate_up", "down", "qkv")  # the projections after each attention
 
 
 def weight_bytes(mode: str) -> dict[str, int]:
     h, inter = CFG.hidden_size, CFG.intermediate_size
-    per = 2 if mode == "bf16" else 1
+    per = 1 if mode.startswith("fp8") else 2
     shapes = {"qkv": (CFG.q_size + 2 * CFG.kv_size) * h, "o": h * CFG.q_size,
               "gate_up": 2 * inter * h, "down": h * inter}
     out = {k: n * per for k, n in shapes.items()}
@@ -51,9 +51,9 @@ def weight_bytes(mode: str) -> dict[str, int]:
 
 def step_kernels(mode: str) -> list[tuple[str, float, float]]:
     """(name, start µs, end µs) of every kernel of one batch-1 decode replay."""
-    quant = None if mode == "bf16" else mode
+    quant = None if mode in ("bf16", "deterministic") else mode
     model = LlamaModel(CFG, gpu_engine.random_tensors(CFG), "cuda", torch.bfloat16,
-                       quantization=quant)
+                       quantization=quant, deterministic=mode == "deterministic")
     kv = PagedKVCache(CFG.num_layers, 64, 64, CFG.num_kv_heads, CFG.head_dim, torch.bfloat16, "cuda")
     graphs = DecodeGraphs(model, kv, 8, 4096, scratch_block=63)
     graphs.run([1000], [256], np.arange(8, dtype=np.int32).reshape(1, 8))
@@ -72,26 +72,32 @@ def step_kernels(mode: str) -> list[tuple[str, float, float]]:
     return kernels
 
 
+def short_name(name: str) -> str:
+    """A kernel's name without namespaces, template arguments or parameters."""
+    base = name.replace("(anonymous namespace)::", "").split("(")[0].split("<")[0]
+    return base.split("::")[-1].replace("void ", "") or name[:60]
+
+
 def label(kernels: list[tuple[str, float, float]]) -> list[str]:
-    """Each kernel's place: the layer's kernels counted from its attention,
-    the LM head (the last GEMV), the first qkv, else a short kernel name."""
+    """Each kernel's place: the projections (GEMV or GEMM) counted from the
+    layer's attention (o, gate_up, down, then the next layer's qkv), the
+    first layer's qkv before the first attention, the LM head (the last
+    projection); any other kernel by its short name."""
     names = []
-    since = None  # kernels since the last attention
+    since = None  # projections since the last attention
     for name, _, _ in kernels:
+        projection = "gemv" in name or "gemm" in name
         if "attention" in name:
             since = 0
-        elif since is not None and since + 1 < len(LAYER):
+            names.append("attention")
+        elif projection and since is not None and since < len(PROJECTIONS):
+            names.append(PROJECTIONS[since])
             since += 1
         else:
-            since = None
-        names.append(LAYER[since] if since is not None else name.split("(")[0][-60:])
-    gemvs = [i for i, (n, _, _) in enumerate(kernels) if "gemv" in n]
-    if gemvs:
-        names[gemvs[-1]] = "lm_head"
-        first_attention = next(i for i, n in enumerate(names) if n == "attention")
-        for i in gemvs:
-            if i < first_attention:
-                names[i] = "qkv"
+            names.append("qkv" if projection and since is None else short_name(name))
+    projections = [i for i, (n, _, _) in enumerate(kernels) if "gemv" in n or "gemm" in n]
+    if projections:
+        names[projections[-1]] = "lm_head"
     return names
 
 
@@ -114,7 +120,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--modes", nargs="+", default=["bf16", "fp8-lm-head"],
-                    choices=["bf16", "fp8", "fp8-lm-head"])
+                    choices=["bf16", "fp8", "fp8-lm-head", "deterministic"])
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     results = {"device": torch.cuda.get_device_name(), "modes": {}}

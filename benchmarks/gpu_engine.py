@@ -157,6 +157,13 @@ def profile_steps(engine: Engine, steps: int, rows: int = 25) -> tuple[float, st
     return wall, f"{kernel_groups(events)}\n{table}"
 
 
+def submit_all(engine: Engine, work: list[tuple[list[int], int]], callback=lambda e: None) -> None:
+    """Submit every (prompt, output length) of `work` at once, greedy."""
+    for prompt, out_len in work:
+        engine.submit(input_ids=prompt, params=SamplingParams(max_tokens=out_len, **GREEDY),
+                      callback=callback)
+
+
 def run_offline(engine: Engine, work: list[tuple[list[int], int]]) -> dict:
     done = {"n": 0, "tokens": 0}
 
@@ -166,9 +173,7 @@ def run_offline(engine: Engine, work: list[tuple[list[int], int]]) -> dict:
             done["n"] += 1
 
     t0 = sync_time()
-    for prompt, out_len in work:
-        engine.submit(input_ids=prompt, params=SamplingParams(max_tokens=out_len, **GREEDY),
-                      callback=on_event)
+    submit_all(engine, work, on_event)
     while engine.has_work():
         engine.step()
     elapsed = sync_time() - t0

@@ -25,10 +25,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_engine import (GREEDY, LLAMA3_8B, ab_engine, profile_steps, random_tensors,  # noqa: E402
-                        sharegpt_like)
+from gpu_engine import (LLAMA3_8B, ab_engine, profile_steps, random_tensors,  # noqa: E402
+                        sharegpt_like, submit_all)
 
-from turbomq.worker import SamplingParams  # noqa: E402
 from turbomq.worker.model.llama import LlamaModel  # noqa: E402
 
 WARM_STEPS, STEPS, REQUESTS, SLOTS = 120, 200, 600, 256
@@ -55,9 +54,7 @@ def main() -> None:
         del tensors  # an FP8 model holds its own copies of what it quantized
         gc.collect()
         engine = ab_engine(model, SLOTS, **options)
-        for prompt, out_len in work:
-            engine.submit(input_ids=prompt, params=SamplingParams(max_tokens=out_len, **GREEDY),
-                          callback=lambda e: None)
+        submit_all(engine, work)
         for _ in range(WARM_STEPS):
             engine.step()
         wall, table = profile_steps(engine, STEPS, rows=22)

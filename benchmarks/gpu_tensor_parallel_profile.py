@@ -30,12 +30,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_engine import GREEDY, profile_steps, sharegpt_like  # noqa: E402
+from gpu_engine import profile_steps, sharegpt_like, submit_all  # noqa: E402
 from gpu_tensor_parallel import all_reduce_mode, make_engine, write_checkpoint  # noqa: E402
 
-from turbomq.worker import SamplingParams  # noqa: E402
-
 ENGINES = (("1 GPU", dict(tensor_parallel=1)), ("2 GPUs", dict(tensor_parallel=2)))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True)
@@ -58,10 +58,7 @@ def main() -> None:
         write_checkpoint(path)
         for name, case in ENGINES:
             engine = make_engine(path, case, args.max_batch_size)
-            for prompt, out_len in work:
-                engine.submit(input_ids=prompt,
-                              params=SamplingParams(max_tokens=out_len, **GREEDY),
-                              callback=lambda e: None)
+            submit_all(engine, work)
             for _ in range(args.warm):
                 engine.step()
             torch.cuda.synchronize()

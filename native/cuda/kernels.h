@@ -76,13 +76,14 @@ void rotary_write_kv(std::uintptr_t q_out, std::uintptr_t q, std::int64_t q_stri
 // a multiple of 128, at most 4 rows, (rows + 1) * K (* 3 with the norm) <=
 // kGemvFp8XBytes: x's E4M3 copy, a zero row and, with the norm, the staged
 // 16-bit x and the norm weight live in shared memory; on the tensor cores,
-// weights loaded straight into their registers); x is quantized per row in the kernel exactly as
-// quantize_fp8, and y is fp8_linear_reference's product (before the
-// epilogue, which is as above).
+// weights loaded straight into their registers); x is quantized per row in
+// the kernel exactly as quantize_fp8, and y is fp8_linear_reference's
+// product (before the epilogue, which is as above).
 constexpr int kGemvMaxRows = 8;
 constexpr int kGemvMaxFusedRows = 4;  // with a norm or a non-store epilogue
 constexpr int kGemvSmemBytes = 64 * 1024;  // x staged in shared memory up to this size
-constexpr int kGemvFp8XBytes = 144 * 1024;  // FP8: x (and, with the norm, its 16-bit copy and the norm weight)
+// FP8: x (and, with the norm, its 16-bit copy and the norm weight)
+constexpr int kGemvFp8XBytes = 144 * 1024;
 enum class GemvEpilogue : int { kStore = 0, kAddInto = 1, kSiluMul = 2 };
 void set_programmatic_launch(bool on);
 bool programmatic_launch();
@@ -232,10 +233,10 @@ constexpr int kAttentionPartitionAlign = 64;
 // residual). 16-bit elements, 16-byte aligned, 16-byte multiples. Every
 // rank pushes its input into every peer's buffer (the default) or, with
 // set_all_reduce_push(false) and for every message over 12 MiB, reads the
-// peers' inputs from theirs; all ranks must agree. Messages of at most set_all_reduce_ll_bytes (0: none;
-// within kAllReduceLLMaxBytes) take the low-latency kernel (the data and
-// the call number in each line pushed: no flag barrier); all ranks must
-// agree on that too.
+// peers' inputs from theirs; all ranks must agree. Messages of at most
+// set_all_reduce_ll_bytes (0: none; within kAllReduceLLMaxBytes) take the
+// low-latency kernel (the data and the call number in each line pushed: no
+// flag barrier); all ranks must agree on that too.
 constexpr int kAllReduceMaxRanks = 8;
 constexpr int kAllReduceMaxBlocks = 128;
 constexpr std::int64_t kAllReduceLLMaxBytes = 256 << 10;

@@ -105,20 +105,6 @@ __device__ __forceinline__ void add8(float* acc, const uint4& v) {
   for (int e = 0; e < 8; ++e) acc[e] += f[e];
 }
 
-// out[v] = the rank sum `acc` rounded to T, or with a residual
-// residual + round(acc), rounded as the separate add rounds.
-template <typename T>
-__device__ __forceinline__ void store_sum(const AllReduceArgs& a, std::int64_t v, float* acc,
-                                          const uint4& residual) {
-  if (a.residual != nullptr) {
-    float r[8];
-    unpack8<T>(residual, r);
-#pragma unroll
-    for (int e = 0; e < 8; ++e) acc[e] = round_to<T>(acc[e]) + r[e];
-  }
-  a.out[v] = pack8<T>(acc);
-}
-
 // The last block of a call to finish advances the call counter (every block
 // has read it by then; within a block, the caller's barrier says so). A lone
 // block has no other to count: it writes the counter, and the kernel's end
@@ -190,7 +176,13 @@ __global__ void __launch_bounds__(kThreads) all_reduce_kernel(const AllReduceArg
     float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
     for (int r = 0; r < R; ++r) add8<T>(acc, __ldcg(data[r] + v));  // past L1: peers wrote it
-    store_sum<T>(a, v, acc, a.residual != nullptr ? a.residual[v] : uint4{});
+    if (a.residual != nullptr) {
+      float res[8];
+      unpack8<T>(a.residual[v], res);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc[e] = round_to<T>(acc[e]) + res[e];
+    }
+    a.out[v] = pack8<T>(acc);
   }
   finish_call(self, call);
 }
@@ -213,8 +205,7 @@ __global__ void __launch_bounds__(kThreads) all_reduce_ll_kernel(const AllReduce
   const std::int64_t v = static_cast<std::int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   if (v < a.vectors) {
     const uint4 x = a.in[v];
-    // read before spinning on the peers' lines
-    const uint4 res = a.residual != nullptr ? a.residual[v] : uint4{};
+    const uint4 res = a.residual != nullptr ? a.residual[v] : uint4{};  // read before the wait
 #pragma unroll
     for (int r = 0; r < R; ++r) {
       if (r == a.rank) continue;
@@ -236,7 +227,13 @@ __global__ void __launch_bounds__(kThreads) all_reduce_ll_kernel(const AllReduce
       } while (lo.y != call || lo.w != call || hi.y != call || hi.w != call);
       add8<T>(acc, make_uint4(lo.x, lo.z, hi.x, hi.z));
     }
-    store_sum<T>(a, v, acc, res);
+    if (a.residual != nullptr) {
+      float r[8];
+      unpack8<T>(res, r);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc[e] = round_to<T>(acc[e]) + r[e];
+    }
+    a.out[v] = pack8<T>(acc);
   }
   __syncthreads();  // every thread has read the counter
   finish_call(self, call);

@@ -4,12 +4,13 @@
 // flight per lane. Launched as a programmatic dependent, it issues its first
 // weight loads while the previous kernel is still running, then waits for it
 // and stages the few x rows in shared memory. A warp owns R = 2 output rows
-// and reduces over all of K: lane l takes 16-byte chunks l, l + 32, ... of
-// each row (512 contiguous bytes per warp load), accumulates in fp32, and a
-// warp reduction finishes. Each (m, n) sums in the same order whatever M and
-// R are, so a row's result does not depend on the batch it is in. At batch 1
-// the decoder layer is six launches: these fusions remove the norm, add and
-// silu_mul kernels (and their launch gaps) between the projections.
+// (kGemvRowsPerWarp) and reduces over all of K: lane l takes 16-byte chunks
+// l, l + 32, ... of each row (512 contiguous bytes per warp load),
+// accumulates in fp32, and a warp reduction finishes. Each (m, n) sums in
+// the same order whatever M and R are, so a row's result does not depend on
+// the batch it is in. At batch 1 the decoder layer is six launches: these
+// fusions remove the norm, add and silu_mul kernels (and their launch gaps)
+// between the projections.
 //
 // FP8 weights (E4M3, a float scale per output channel) take their own
 // kernel on the tensor cores (mma.sync m16n8k32): converting 16 weights per
@@ -282,11 +283,18 @@ __device__ __forceinline__ int weight_row(int n, int second, int n_out, int head
   }
 }
 
-template <typename T, int M, int R, int W, bool kSmemX, Prologue P, Epilogue E>
+// Weight rows a warp (the paired epilogues' two rows of a pair, else two
+// output columns) at every M: at one row the o and down projections (4096
+// outputs) then run in one wave, every block resident and fetching from the
+// start (one row a warp took 1.5-2 waves: the second wave's loads began only
+// as the first wave's blocks left). Decode step 5.575 -> 5.494 ms on the
+// H100 (docs/kernels.md). Row sums do not depend on it.
+constexpr int kGemvRowsPerWarp = 2;
+
+template <typename T, int M, int W, bool kSmemX, Prologue P, Epilogue E>
 __global__ void __launch_bounds__(W * 32) gemv_kernel(const GemvArgs<T, T> a) {
   static_assert(P == Prologue::kNone || kSmemX, "the norm prologue works on staged x");
-  static_assert((E != Epilogue::kSiluMul && E != Epilogue::kRopeKV) || R == 2,
-                "silu_mul and rope pair two rows per warp");
+  constexpr int R = kGemvRowsPerWarp;
   constexpr bool kPaired = E == Epilogue::kSiluMul || E == Epilogue::kRopeKV;
   constexpr int kU = kInFlight / R;  // chunks per row per iteration
   extern __shared__ uint4 xs[];      // [M][kv] with kSmemX, then the norm weight [kv]
@@ -658,19 +666,13 @@ void launch(K kernel, const A& a, int blocks, int threads, std::size_t smem, std
 template <typename T, int M, int W, bool kSmemX, Prologue P, Epilogue E>
 void launch_gemv_x(const GemvArgs<T, T>& a, cudaStream_t s) {
   constexpr bool kPaired = E == Epilogue::kSiluMul || E == Epilogue::kRopeKV;
-  // Two weight rows a warp at every M: at one row the o and down projections
-  // (4096 outputs) then run in one wave, every block resident and fetching
-  // from the start (one row a warp took 1.5-2 waves: the second wave's
-  // loads began only as the first wave's blocks left). Decode step 5.575 ->
-  // 5.494 ms on the H100 (docs/kernels.md). Row sums do not depend on R.
-  constexpr int R = 2;
-  constexpr int kColsPerWarp = kPaired ? 1 : R;
+  constexpr int kColsPerWarp = kPaired ? 1 : kGemvRowsPerWarp;
   static bool opted_in = false;  // one instantiation, one attribute call
   // x's rows, then (kRmsNorm) the norm weight.
   const int x_rows = M + (P == Prologue::kRmsNorm ? 1 : 0);
   const std::size_t smem = kSmemX ? static_cast<std::size_t>(x_rows) * a.k_in * sizeof(T) : 0;
   const int warps = (a.n_out + kColsPerWarp - 1) / kColsPerWarp;
-  launch(gemv_kernel<T, M, R, W, kSmemX, P, E>, a, (warps + W - 1) / W, W * 32, smem,
+  launch(gemv_kernel<T, M, W, kSmemX, P, E>, a, (warps + W - 1) / W, W * 32, smem,
          2 * kGemvSmemBytes, opted_in, s, "gemv_kernel");
 }
 

@@ -48,6 +48,13 @@ __device__ __forceinline__ void cp_async16(std::uint32_t dst, const void* src, b
                "r"(ok ? 16 : 0)
                : "memory");
 }
+// The same, asking L2 to fetch the 256-byte block around src (a row streamed
+// once: the next chunks of the row arrive with this one).
+__device__ __forceinline__ void cp_async16_l2_256(std::uint32_t dst, const void* src, bool ok) {
+  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;" ::"r"(dst), "l"(src),
+               "r"(ok ? 16 : 0)
+               : "memory");
+}
 // 4 bytes, through L1 (cp.async takes 16 only with .cg); zero when !ok.
 __device__ __forceinline__ void cp_async4(std::uint32_t dst, const void* src, bool ok) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src),

@@ -212,7 +212,8 @@ __device__ __forceinline__ RowLoader<NT> weight_loader(const Params& p, int n0, 
 // chunk(s, acc), which zeroes acc and runs the chunk's k16 steps through the
 // mma in increasing k (the last chunk may be shorter; loads past K are
 // zeros). Both launch shapes compute their chunk sums with exactly this,
-// which is what makes them identical.
+// which is what makes them identical. `split`: the split shape's block, whose
+// weight copies ask L2 for 256 bytes a row (weight_loader).
 // kTma (wgmma only): thread 0 fills each stage by TMA instead, completing on
 // the stage's mbarrier, which every thread waits on; the boxes land in the
 // layout the cp.async chunks write (128-byte rows, 128-byte swizzle, rows
@@ -513,7 +514,8 @@ __device__ __forceinline__ void gemm_tiled(const Params& p, const CUtensorMap* x
 
   // total = c_0 (chunk 0 straight into it, from zero), then total += c_s:
   // the fold of fold_partials, in registers.
-  Mainloop<T, MT, kWg, kTma, NT> loop(p, dynamic_smem(), m0, n0, 0, p.chunks, false, x_map, w_map);
+  Mainloop<T, MT, kWg, kTma, NT> loop(p, dynamic_smem(), m0, n0, 0, p.chunks, /*split=*/false,
+                                      x_map, w_map);
   float total[S::kMi][S::kNj][4], acc[S::kMi][S::kNj][4];
   loop.chunk(0, total);
   for (int s = 1; s < p.chunks; ++s) {

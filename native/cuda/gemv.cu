@@ -450,53 +450,64 @@ __device__ __forceinline__ void quantize_x(const GemvArgs<T, Fp8>& a, bool stage
   __syncthreads();
 }
 
-// ------------------------------------------------------ FP8, register-direct
-// Weights go straight from HBM to the mma's A registers (16-byte streaming
-// loads, a ring of kFp8Ring steps in flight per lane), and every load
-// instruction reads whole 128-byte lines: the mma's 16 A rows are 8 weight
-// rows times two 64-byte K segments, and its 8 B columns are x's rows (at
-// most 4) times the same two segments. Lane (g, t) loads bytes [16 t, 16 t
-// + 16) of segment g % 2 of weight row g / 2 (and of row 4 + g / 2): the 8
-// lanes of a row cover 128 contiguous bytes. Of each 16 x 8 product only
-// the entries whose row and column segments agree are sums of the GEMV;
-// the two segments are added in order at the end. A tile is 8 weight rows
-// (8 output columns, or 4 row pairs for silu_mul and rope) over all of K
-// in 128-byte steps; a block takes a contiguous range of tiles and its
-// warps take steps warp, warp + W, ... of each, so x is normalized and
-// quantized once per block and a tile's sum is the same whatever the
-// block, the grid and the number of x rows: per warp, steps in order (each
-// the tensor cores' sum of 64 products added into fp32), then the segments,
-// then the warps in order. Measured on the H100 (docs/benchmarks/
-// fp8_gemv_direct_ab.txt): this beat a ring of bulk copies through shared
-// memory, a warp per row pair reading 512-byte windows, deeper rings (fewer
-// warps), and wgmma (native FP8, where mma.sync on E4M3 is emulated on
-// sm_90 through f16) fed from the same registers.
+// ------------------------------------------------------ FP8, staged weights
+// The block copies its weights into a ring of shared-memory stages with
+// cp.async (every thread a share, `L2::256B`), and each warp reads its mma A
+// fragments from there; every piece a lane reads covers whole 128-byte lines:
+// the mma's 16 A rows are 8 weight rows times two 64-byte K segments, and its
+// 8 B columns are x's rows (at most 4) times the same two segments. Lane
+// (g, t) takes bytes [16 t, 16 t + 16) of segment g % 2 of weight row g / 2
+// (and of row 4 + g / 2). Of each 16 x 8 product only the entries whose row
+// and column segments agree are sums of the GEMV; the two segments are added
+// in order at the end. A tile is 8 weight rows (8 output columns, or 4 row
+// pairs for silu_mul and rope) over all of K in 128-byte steps; a block takes
+// a contiguous range of tiles and its warps take steps warp, warp + W, ... of
+// each, so x is normalized and quantized once per block and a tile's sum is
+// the same whatever the block, the grid and the number of x rows: per warp,
+// steps in order (each the tensor cores' sum of 64 products added into
+// fp32), then the segments, then the warps in order. A stage holds two of
+// each warp's steps (16 KiB), so a barrier a stage serves 16 mma pairs.
+// Measured on the H100 (docs/kernels.md, "FP8 activations"): the same reads
+// as 16-byte loads into a register ring a lane streamed at 2.45 TB/s on the
+// gate/up shape, through the block's cp.async stages at 2.9
+// (benchmarks/gpu_stream_patterns.py).
 constexpr int kFp8Warps = 8;
-constexpr int kFp8Ring = 8;       // 128-byte steps in flight per warp (two loads a lane each)
+constexpr int kFp8StageBytes = 2 * kFp8Warps * 1024;  // two 8-row x 128-byte steps a warp
+// Stages in the ring, where two blocks an SM still fit (else fewer, at least
+// two). Three beat four on the H100 by a little (docs/kernels.md): the next
+// projection's blocks find room on the SM sooner.
+constexpr int kFp8MaxStages = 3;
 constexpr int kFp8MaxTiles = 32;  // tiles per block (their partial sums stay in shared memory)
 
 // Shared memory past which two FP8 GEMV blocks no longer fit an SM (228 KiB,
 // 1 KiB reserved a block, the static partials).
 constexpr int kFp8TwoBlockSmemBytes = 112 * 1024;
 
-// The FP8 GEMV's dynamic shared memory, byte offsets in order: the tiles'
-// weight-row table ([kFp8MaxTiles + 1][8] int64); x's E4M3 rows and a row of
-// zeros (the B columns past M); x staged in 16 bits; the norm weight
-// (kRmsNorm); the warps' sums per tile. x is staged always with the norm,
-// otherwise where two blocks still fit an SM (else quantize_x reads x from
-// L2 twice). The host (launch) and the kernel compute the same layout.
+// The FP8 GEMV's dynamic shared memory, byte offsets in order: a ring of
+// `stages` weight stages; the tiles' weight-row table ([kFp8MaxTiles + 1][8]
+// int64); x's E4M3 rows and a row of zeros (the B columns past M); x staged
+// in 16 bits; the norm weight (kRmsNorm); the warps' sums per tile. x is
+// staged always with the norm, otherwise where two blocks with a ring of two
+// stages still fit an SM (else quantize_x reads x from L2 twice). The host
+// picks the ring's depth (launch_gemv_fp8); the kernel reads it back from
+// the launch's shared memory size.
 struct Fp8Smem {
-  int x_q, x_16, norm_w, sums, bytes;
+  int table, x_q, x_16, norm_w, sums, bytes, stages;
   bool staged;
 };
 __host__ __device__ __forceinline__ Fp8Smem fp8_smem(int m, int k_in, int t_bytes, bool norm,
-                                                     int tiles_per_block, int warps) {
-  Fp8Smem l{};
-  l.x_q = (kFp8MaxTiles + 1) * 8 * static_cast<int>(sizeof(std::int64_t));
-  l.x_16 = l.x_q + (m + 1) * fp8_x_pitch(k_in);
+                                                     int tiles_per_block, int warps, int stages) {
+  const int table_bytes = (kFp8MaxTiles + 1) * 8 * static_cast<int>(sizeof(std::int64_t));
+  const int x_q_bytes = (m + 1) * fp8_x_pitch(k_in), x_bytes = m * k_in * t_bytes;
+  const int norm_bytes = norm ? k_in * t_bytes : 0;
   const int sums_bytes = tiles_per_block * warps * 32 * static_cast<int>(sizeof(float));
-  const int x_bytes = m * k_in * t_bytes, norm_bytes = norm ? k_in * t_bytes : 0;
-  l.staged = norm || l.x_16 + x_bytes + sums_bytes <= kFp8TwoBlockSmemBytes;
+  Fp8Smem l{};
+  l.staged = norm || table_bytes + x_q_bytes + x_bytes + norm_bytes + sums_bytes +
+                             2 * kFp8StageBytes <= kFp8TwoBlockSmemBytes;
+  l.stages = stages;
+  l.table = stages * kFp8StageBytes;
+  l.x_q = l.table + table_bytes;
+  l.x_16 = l.x_q + x_q_bytes;
   l.norm_w = l.x_16 + (l.staged ? x_bytes : 0);
   l.sums = l.norm_w + norm_bytes;
   l.bytes = l.sums + sums_bytes;
@@ -506,18 +517,25 @@ __host__ __device__ __forceinline__ Fp8Smem fp8_smem(int m, int k_in, int t_byte
 template <typename T, int M, Prologue P, Epilogue E>
 __global__ void __launch_bounds__(kFp8Warps * 32) gemv_fp8_kernel(const GemvArgs<T, Fp8> a) {
   static_assert(M <= 4, "x rows times two segments are the mma's 8 columns");
-  constexpr int W = kFp8Warps, kRing = kFp8Ring;
+  constexpr int W = kFp8Warps;
   constexpr bool kPaired = E == Epilogue::kSiluMul || E == Epilogue::kRopeKV;
   constexpr int kCols = kPaired ? 4 : 8;  // output columns per tile
   constexpr int kStride = 128 * W;        // bytes from a warp's step to its next
+  static_assert(kFp8StageBytes == 2 * W * 1024, "a stage: two 1 KiB steps a warp");
   extern __shared__ __align__(128) std::uint8_t smem[];
   __shared__ float partial[W][M];
   launch_dependents();
   const int x_pitch = fp8_x_pitch(a.k_in);
   const int tiles = (a.n_out + kCols - 1) / kCols;
-  const Fp8Smem layout = fp8_smem(M, a.k_in, sizeof(T), P == Prologue::kRmsNorm,
-                                  (tiles + gridDim.x - 1) / gridDim.x, W);
-  auto* row_at = reinterpret_cast<std::int64_t*>(smem);
+  const int tiles_per_block = (tiles + gridDim.x - 1) / gridDim.x;
+  std::uint32_t smem_bytes;
+  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(smem_bytes));
+  const Fp8Smem layout = fp8_smem(
+      M, a.k_in, sizeof(T), P == Prologue::kRmsNorm, tiles_per_block, W,
+      (static_cast<int>(smem_bytes) -
+       fp8_smem(M, a.k_in, sizeof(T), P == Prologue::kRmsNorm, tiles_per_block, W, 0).bytes) /
+          kFp8StageBytes);
+  auto* row_at = reinterpret_cast<std::int64_t*>(smem + layout.table);
   std::uint8_t* xq = smem + layout.x_q;
   uint4* xs = reinterpret_cast<uint4*>(smem + layout.x_16);
   uint4* nws = reinterpret_cast<uint4*>(smem + layout.norm_w);
@@ -539,32 +557,43 @@ __global__ void __launch_bounds__(kFp8Warps * 32) gemv_fp8_kernel(const GemvArgs
   }
   __syncthreads();
   const int steps = a.k_in / 128;
-  const int mine = steps > warp ? (steps - warp + W - 1) / W : 0;  // this warp's steps a tile
+  auto mine_of = [&](int wi) { return steps > wi ? (steps - wi + W - 1) / W : 0; };
+  const int mine = mine_of(warp);  // this warp's steps a tile
   const int items = n_tiles * mine;
+  const int n_stages = (n_tiles * mine_of(0) + 1) / 2;  // warp 0 has the most steps
   const int g = lane / 4, t = lane % 4;
-  // This lane's A rows: segment g % 2 of tile rows g / 2 and 4 + g / 2.
-  const std::uint8_t* w =
-      reinterpret_cast<const std::uint8_t*>(a.w) + 64 * (g % 2) + 16 * t + 128 * warp;
-  const std::int64_t* rows = row_at + g / 2;
-  const std::uint8_t *pa = w + rows[0], *pb = w + rows[4];
-  int l_step = 0;
-  auto load_next = [&](uint4& va, uint4& vb) {
-    va = load_stream(reinterpret_cast<const uint4*>(pa));
-    vb = load_stream(reinterpret_cast<const uint4*>(pb));
-    pa += kStride;
-    pb += kStride;
-    if (++l_step == mine) {  // the next tile (the table's last entry: past the block's)
-      l_step = 0;
-      rows += 8;
-      pa = w + rows[0];
-      pb = w + rows[4];
-    }
-  };
-  uint4 va[kRing], vb[kRing];
+  // The copy: piece i = threadIdx.x + 256 q (q < 4) of a stage is 16 bytes of
+  // warp i / 128's step (i / 64) % 2 of the stage, tile row (i % 64) / 8,
+  // bytes 16 (i % 8) of the step's 128; a step is 1 KiB in shared memory, its
+  // 8 rows of 128 bytes in order. Each q's warp walks its items (tile, step)
+  // two at a time.
+  const std::uint32_t ring = static_cast<std::uint32_t>(__cvta_generic_to_shared(smem));
+  const int c_u = threadIdx.x / 64 % 2, c_row = threadIdx.x % 64 / 8;
+  const std::uint8_t* c_w = reinterpret_cast<const std::uint8_t*>(a.w) + 16 * (threadIdx.x % 8);
+  int c_tile[4], c_k[4];
 #pragma unroll
-  for (int u = 0; u < kRing; ++u) {
-    if (u < items) load_next(va[u], vb[u]);  // independent of the previous kernel
+  for (int q = 0; q < 4; ++q) {
+    const int m = mine_of(threadIdx.x / 128 + 2 * q);
+    c_tile[q] = m > 0 ? c_u / m : n_tiles;  // a warp past K's steps copies nothing
+    c_k[q] = m > 0 ? c_u % m : 0;
   }
+  auto issue = [&](int slot) {  // the next stage: one commit group, empty past the last
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const int wi = threadIdx.x / 128 + 2 * q, m = mine_of(wi);
+      if (c_tile[q] < n_tiles) {
+        cp_async16_l2_256(ring + slot * kFp8StageBytes + 16 * (threadIdx.x + 256 * q),
+                          c_w + row_at[c_tile[q] * 8 + c_row] + 128 * (wi + W * c_k[q]), true);
+        c_k[q] += 2;
+        while (c_k[q] >= m) {
+          c_k[q] -= m;
+          ++c_tile[q];
+        }
+      }
+    }
+    cp_async_commit();
+  };
+  for (int s = 0; s < layout.stages - 1; ++s) issue(s);  // independent of the previous kernel
 
   prefetch_norm_weight<T, Fp8, W, P>(a, nws);
   // The epilogue's first output of this thread (i = threadIdx.x: tile
@@ -599,19 +628,32 @@ __global__ void __launch_bounds__(kFp8Warps * 32) gemv_fp8_kernel(const GemvArgs
   const std::uint8_t* xk = x_first;
   float* out = sums + warp * 32;
   float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-  int c_step = 0;
-  for (int j0 = 0; j0 < items; j0 += kRing) {
+  int c_step = 0, item = 0;
+  // A lane's A pieces within a step: rows g / 2 and 4 + g / 2, segment g % 2.
+  const int a_off = (g / 2) * 128 + 64 * (g % 2) + 16 * t;
+  for (int s = 0, slot = 0; s < n_stages; ++s) {
+    static_assert(kFp8MaxStages <= 3, "one wait for each ring depth");
+    if (layout.stages == 3) {
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();  // stage s landed everywhere; stage s - 1's slot is free
+    const int next = slot == 0 ? layout.stages - 1 : slot - 1;
+    issue(next);  // stage s + stages - 1
+    const std::uint8_t* st = smem + slot * kFp8StageBytes + warp * 2048 + a_off;
 #pragma unroll
-    for (int u = 0; u < kRing; ++u) {
-      if (j0 + u < items) {  // the same for the whole warp
+    for (int u = 0; u < 2; ++u, ++item) {
+      if (item < items) {  // the same for the whole warp
+        const uint4 va = *reinterpret_cast<const uint4*>(st + 1024 * u);
+        const uint4 vb = *reinterpret_cast<const uint4*>(st + 1024 * u + 512);
         const uint4 b = *reinterpret_cast<const uint4*>(xk);
         xk += kStride;
         float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        mma_e4m3(d, va[u].x, vb[u].x, va[u].y, vb[u].y, b.x, b.y);
-        mma_e4m3(d, va[u].z, vb[u].z, va[u].w, vb[u].w, b.z, b.w);
+        mma_e4m3(d, va.x, vb.x, va.y, vb.y, b.x, b.y);
+        mma_e4m3(d, va.z, vb.z, va.w, vb.w, b.z, b.w);
 #pragma unroll
         for (int j = 0; j < 4; ++j) acc[j] += d[j];
-        if (j0 + u + kRing < items) load_next(va[u], vb[u]);
         if (++c_step == mine) {
           // The tile's end: lane 8 r + h (h < 2) adds segment 1 (lane + 6) to
           // segment 0 for tile rows r and 4 + r, x rows 2 h and 2 h + 1.
@@ -627,7 +669,9 @@ __global__ void __launch_bounds__(kFp8Warps * 32) gemv_fp8_kernel(const GemvArgs
         }
       }
     }
+    slot = slot + 1 == layout.stages ? 0 : slot + 1;
   }
+  cp_async_wait<0>();
   __syncthreads();
   // The epilogue: a thread per (tile, column, x row) adds the warps' sums in order.
   const int warps = min(W, steps);
@@ -686,10 +730,14 @@ void launch_gemv_fp8(const GemvArgs<T, Fp8>& a, cudaStream_t s) {
   const int blocks =
       std::min(tiles, std::max(2 * sm_count(), (tiles + kFp8MaxTiles - 1) / kFp8MaxTiles));
   const int per_block = (tiles + blocks - 1) / blocks;
-  const std::size_t smem =
-      fp8_smem(M, a.k_in, sizeof(T), P == Prologue::kRmsNorm, per_block, kFp8Warps).bytes;
-  launch(gemv_fp8_kernel<T, M, P, E>, a, blocks, kFp8Warps * 32, smem, kFp8SmemBytes, opted_in,
-         s, "gemv_fp8_kernel");
+  const bool norm = P == Prologue::kRmsNorm;
+  auto bytes = [&](int stages) {
+    return fp8_smem(M, a.k_in, sizeof(T), norm, per_block, kFp8Warps, stages).bytes;
+  };
+  int stages = kFp8MaxStages;
+  while (stages > 2 && bytes(stages) > kFp8TwoBlockSmemBytes) --stages;
+  launch(gemv_fp8_kernel<T, M, P, E>, a, blocks, kFp8Warps * 32, bytes(stages), kFp8SmemBytes,
+         opted_in, s, "gemv_fp8_kernel");
 }
 
 // Long rows (the down projection's K = 14336) take 8 warps a block, so one

@@ -75,8 +75,8 @@ void rotary_write_kv(std::uintptr_t q_out, std::uintptr_t q, std::int64_t q_stri
 // w_scale != 0: w is E4M3 [N, K] with a float32 scale per row at w_scale (K
 // a multiple of 128, at most 4 rows, (rows + 1) * K (* 3 with the norm) <=
 // kGemvFp8XBytes: x's E4M3 copy, a zero row and, with the norm, the staged
-// 16-bit x and the norm weight live in shared memory; on the tensor cores,
-// weights loaded straight into their registers); x is quantized per row in
+// 16-bit x and the norm weight live in shared memory, beside a ring of
+// weight stages; on the tensor cores); x is quantized per row in
 // the kernel exactly as quantize_fp8, and y is fp8_linear_reference's
 // product (before the epilogue, which is as above).
 constexpr int kGemvMaxRows = 8;

@@ -1,0 +1,266 @@
+"""Is a decode projection's weight stream slowed by the order it reads HBM in?
+Pure-read kernels (no arithmetic but an XOR of what they load, one word
+stored a block) over the gate/up weight's bytes, each in the access order of
+one of the engine's decode projections and in a row-contiguous variant of it:
+
+- gemv16: the 16-bit GEMV (a warp per two 8 KiB rows, each load instruction
+  512 contiguous bytes, 16 loads in flight a lane);
+- split: the batch-invariant GEMM's split shape (a block per 128 rows x
+  1 KiB chunk, a 4-stage cp.async ring of 128 rows x 128 bytes, L2::256B,
+  three blocks an SM); split_rows: the same blocks, each stage 16 whole
+  1 KiB row chunks;
+- fp8: the FP8 GEMV's earlier register ring (two blocks of 8 warps an SM,
+  tiles of 8 rows x 4 KiB, a warp's step 8 rows x 128 bytes, a ring of 8
+  steps a lane); fp8_rows: the same blocks, tiles and ring, a warp's step
+  1 row x 1 KiB; fp8_stage: the same blocks and tiles, the block copying
+  its weights with cp.async in stages of 8 rows x 2 KiB (the FP8 GEMV's
+  current way), also at three blocks an SM (x3) and a tile a block (t1).
+
+gate/up's bytes for every order (16-bit and FP8), and down, qkv and o for
+the FP8 ones.
+
+Each reads its bytes from HBM (the launches rotate over 1 GiB). Timing: a
+CUDA graph of 20 launches, replayed 5 times, CUDA events.
+
+    python benchmarks/gpu_stream_patterns.py --out DIR
+
+Writes stream_patterns.md into DIR. GPU only; builds its kernels with
+torch.utils.cpp_extension."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+from torch.utils.cpp_extension import load_inline
+
+CUDA_SRC = r"""
+#include <cstdint>
+#include <torch/extension.h>
+#include <c10/cuda/CUDAStream.h>
+
+__device__ __forceinline__ uint4 ld_stream(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ unsigned mix(const uint4& v) { return v.x ^ v.y ^ v.z ^ v.w; }
+
+// gemv16: warp gw owns rows 2 gw, 2 gw + 1 of `row_bytes` each; a ring of 16
+// loads a lane, refilled as each is consumed (as the GEMV's registers are).
+__global__ void __launch_bounds__(256) gemv16(const uint8_t* w, int rows, int row_bytes, unsigned* out) {
+  const int lane = threadIdx.x % 32, gw = (blockIdx.x * 256 + threadIdx.x) / 32;
+  const int per_row = row_bytes / 512, items = 2 * gw + 2 <= rows ? 2 * per_row : 0;
+  auto addr = [&](int j) {
+    return w + static_cast<int64_t>(2 * gw + j / per_row) * row_bytes + 512 * (j % per_row) + 16 * lane;
+  };
+  uint4 v[16];
+#pragma unroll
+  for (int u = 0; u < 16; ++u) {
+    if (u < items) v[u] = ld_stream(addr(u));
+  }
+  unsigned acc = 0;
+  for (int j0 = 0; j0 < items; j0 += 16) {
+#pragma unroll
+    for (int u = 0; u < 16; ++u) {
+      if (j0 + u < items) {
+        acc ^= mix(v[u]);
+        if (j0 + u + 16 < items) v[u] = ld_stream(addr(j0 + u + 16));
+      }
+    }
+  }
+  if (acc == 0x12345678u) out[blockIdx.x] = acc;
+}
+
+__device__ __forceinline__ void cp_async16(void* s, const void* g) {
+  const unsigned sa = static_cast<unsigned>(__cvta_generic_to_shared(s));
+  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;" ::"r"(sa), "l"(g));
+}
+
+// split: block (tile, chunk) of 128 rows x 1 KiB; 8 stages of 16 KiB through a
+// 4-deep ring. kRows: a stage is 16 whole row chunks instead of 128 x 128 B.
+template <bool kRows>
+__global__ void __launch_bounds__(256) split(const uint8_t* w, int row_bytes, int chunks, unsigned* out) {
+  extern __shared__ __align__(128) uint8_t smem[];
+  const int tile = blockIdx.x / chunks, chunk = blockIdx.x % chunks;
+  const uint8_t* base = w + static_cast<int64_t>(tile) * 128 * row_bytes + 1024 * chunk;
+  auto issue = [&](int s) {
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const int i = threadIdx.x + 256 * q;
+      const int64_t off = kRows ? static_cast<int64_t>(16 * s + i / 64) * row_bytes + 16 * (i % 64)
+                                : static_cast<int64_t>(i / 8) * row_bytes + 128 * s + 16 * (i % 8);
+      cp_async16(smem + (s % 4) * 16384 + 16 * i, base + off);
+    }
+    asm volatile("cp.async.commit_group;");
+  };
+  for (int s = 0; s < 3; ++s) issue(s);
+  unsigned acc = 0;
+  for (int s = 0; s < 8; ++s) {
+    asm volatile("cp.async.wait_group 2;");
+    __syncthreads();
+    const uint4* st = reinterpret_cast<const uint4*>(smem + (s % 4) * 16384);
+#pragma unroll
+    for (int q = 0; q < 4; ++q) acc ^= mix(st[threadIdx.x + 256 * q]);
+    __syncthreads();
+    if (s + 3 < 8) issue(s + 3);
+    else asm volatile("cp.async.commit_group;");
+  }
+  if (acc == 0x12345678u) out[blockIdx.x] = acc;
+}
+
+// fp8: tiles of 8 rows x row_bytes over the grid, contiguous ranges a block;
+// an item is one of a warp's steps of a tile, loaded as two 16-byte loads a lane.
+template <bool kRows>
+__global__ void __launch_bounds__(256) fp8(const uint8_t* w, int tiles, int row_bytes, unsigned* out) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, t = lane % 4;
+  const int t0 = static_cast<int>(static_cast<int64_t>(blockIdx.x) * tiles / gridDim.x);
+  const int t1 = static_cast<int>(static_cast<int64_t>(blockIdx.x + 1) * tiles / gridDim.x);
+  const int per_tile = row_bytes / 128 / 8;  // a warp's steps a tile
+  const int items = (t1 - t0) * per_tile;
+  auto addr = [&](int j, int which) -> const uint8_t* {
+    const int tile = t0 + j / per_tile, step = j % per_tile;
+    const uint8_t* tb = w + static_cast<int64_t>(tile) * 8 * row_bytes;
+    if (kRows) {  // row `warp`, bytes [1024 step, +1024): a, b its two halves
+      return tb + static_cast<int64_t>(warp) * row_bytes + 1024 * step + 512 * which + 16 * lane;
+    }
+    const int row = g / 2 + 4 * which, s = warp + 8 * step;
+    return tb + static_cast<int64_t>(row) * row_bytes + 128 * s + 64 * (g % 2) + 16 * t;
+  };
+  uint4 va[8], vb[8];
+#pragma unroll
+  for (int u = 0; u < 8; ++u) {
+    if (u < items) { va[u] = ld_stream(addr(u, 0)); vb[u] = ld_stream(addr(u, 1)); }
+  }
+  unsigned acc = 0;
+  for (int j0 = 0; j0 < items; j0 += 8) {
+#pragma unroll
+    for (int u = 0; u < 8; ++u) {
+      if (j0 + u < items) {
+        acc ^= mix(va[u]) ^ mix(vb[u]);
+        if (j0 + u + 8 < items) { va[u] = ld_stream(addr(j0 + u + 8, 0)); vb[u] = ld_stream(addr(j0 + u + 8, 1)); }
+      }
+    }
+  }
+  if (acc == 0x12345678u) out[blockIdx.x] = acc;
+}
+
+// fp8_stage: the FP8 GEMV's blocks and tiles (contiguous tile ranges over the
+// grid), the weights copied by the whole block with cp.async in stages of
+// 8 rows x 2 KiB (16 KiB), a ring of 4, a barrier a stage (as the split shape).
+__global__ void __launch_bounds__(256) fp8_stage(const uint8_t* w, int tiles, int row_bytes, unsigned* out) {
+  extern __shared__ __align__(128) uint8_t smem[];
+  const int t0 = static_cast<int>(static_cast<int64_t>(blockIdx.x) * tiles / gridDim.x);
+  const int t1 = static_cast<int>(static_cast<int64_t>(blockIdx.x + 1) * tiles / gridDim.x);
+  const int per_tile = row_bytes / 2048;
+  const int stages = (t1 - t0) * per_tile;
+  auto issue = [&](int s) {
+    if (s < stages) {
+      const uint8_t* tb = w + static_cast<int64_t>(t0 + s / per_tile) * 8 * row_bytes + 2048 * (s % per_tile);
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const int i = threadIdx.x + 256 * q;
+        cp_async16(smem + (s % 4) * 16384 + 16 * i, tb + static_cast<int64_t>(i / 128) * row_bytes + 16 * (i % 128));
+      }
+    }
+    asm volatile("cp.async.commit_group;");
+  };
+  for (int s = 0; s < 3; ++s) issue(s);
+  unsigned acc = 0;
+  for (int s = 0; s < stages; ++s) {
+    asm volatile("cp.async.wait_group 2;");
+    __syncthreads();
+    const uint4* st = reinterpret_cast<const uint4*>(smem + (s % 4) * 16384);
+#pragma unroll
+    for (int q = 0; q < 4; ++q) acc ^= mix(st[threadIdx.x + 256 * q]);
+    __syncthreads();
+    issue(s + 3);
+  }
+  if (acc == 0x12345678u) out[blockIdx.x] = acc;
+}
+
+template <typename K>
+void launch_smem(K k, int blocks, int smem, cudaStream_t s, const uint8_t* p, int a, int b, unsigned* o) {
+  cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  k<<<blocks, 256, smem, s>>>(p, a, b, o);
+}
+
+void run(const std::string& kind, torch::Tensor w, int64_t offset, int64_t rows, int64_t row_bytes,
+         torch::Tensor out, int64_t sms) {
+  auto s = c10::cuda::getCurrentCUDAStream();
+  const uint8_t* p = w.data_ptr<uint8_t>() + offset;
+  unsigned* o = reinterpret_cast<unsigned*>(out.data_ptr<int32_t>());
+  if (kind == "gemv16") {
+    gemv16<<<(rows / 2 + 7) / 8, 256, 0, s>>>(p, rows, row_bytes, o);
+  } else if (kind == "split" || kind == "split_rows") {
+    auto k = kind == "split" ? split<false> : split<true>;
+    cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, 65536);
+    const int chunks = row_bytes / 1024;
+    k<<<rows / 128 * chunks, 256, 65536, s>>>(p, row_bytes, chunks, o);
+  } else if (kind == "fp8_stage" || kind == "fp8_stage_x3" || kind == "fp8_stage_t1") {
+    const int blocks = kind == "fp8_stage" ? 2 * sms : kind == "fp8_stage_x3" ? 3 * sms : rows / 8;
+    launch_smem(fp8_stage, blocks, 65536, s, p, rows / 8, row_bytes, o);
+  } else {
+    auto k = kind == "fp8" ? fp8<false> : fp8<true>;
+    k<<<2 * sms, 256, 0, s>>>(p, rows / 8, row_bytes, o);
+  }
+}
+"""
+
+CPP_SRC = ("void run(const std::string& kind, torch::Tensor w, int64_t offset, int64_t rows, "
+           "int64_t row_bytes, torch::Tensor out, int64_t sms);")
+
+# (kind, rows, row bytes): gate/up's bytes, 16-bit (K = 4096) and FP8.
+CASES = [("gemv16", 28672, 8192), ("split", 28672, 8192), ("split_rows", 28672, 8192),
+         ("fp8", 28672, 4096), ("fp8_rows", 28672, 4096),
+         ("fp8_stage", 28672, 4096), ("fp8_stage_x3", 28672, 4096),
+         ("fp8_stage_t1", 28672, 4096), ("fp8_stage", 4096, 14336), ("fp8_stage_x3", 4096, 14336),
+         ("fp8", 4096, 14336), ("fp8_stage", 6144, 4096), ("fp8", 6144, 4096),
+         ("fp8_stage", 4096, 4096), ("fp8", 4096, 4096)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("gpu_stream_patterns: needs a CUDA device")
+    mod = load_inline("stream_patterns", CPP_SRC, cuda_sources=CUDA_SRC, functions=["run"],
+                      extra_cuda_cflags=["-O3", "-arch=sm_90a"], verbose=False)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    pool = torch.randint(0, 255, (1 << 30,), dtype=torch.uint8, device="cuda")
+    out = torch.zeros(1 << 16, dtype=torch.int32, device="cuda")
+    lines = [f"# Weight streams by access order ({torch.cuda.get_device_name(0)}, {sms} SMs)", "",
+             "`python benchmarks/gpu_stream_patterns.py --out DIR`; pure reads of a weight's "
+             "bytes (rows x bytes a row) in each projection's order, a CUDA graph of 20 "
+             "launches rotating over 1 GiB.", "",
+             "| order | rows x bytes | MB a launch | µs | TB/s |", "| --- | --- | ---: | ---: | ---: |"]
+    for kind, rows, row_bytes in CASES:
+        size = rows * row_bytes
+        offsets = [(i * size) % ((1 << 30) - size) // 4096 * 4096 for i in range(20)]
+        for o in offsets[:3]:
+            mod.run(kind, pool, o, rows, row_bytes, out, sms)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for o in offsets:
+                mod.run(kind, pool, o, rows, row_bytes, out, sms)
+        graph.replay()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(5):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        us = start.elapsed_time(end) * 1000 / 100
+        lines.append(f"| {kind} | {rows} x {row_bytes} | {size / 1e6:.1f} | {us:.2f} | {size / us / 1e6:.3f} |")
+        print(lines[-1], flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "stream_patterns.md").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

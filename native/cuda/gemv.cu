@@ -1,23 +1,23 @@
 // gemv: y[m, n] = sum_k x[m, k] * w[n, k] for a few rows m (decode at small
 // batch), i.e. F.linear(x, w) with M <= 8. Memory-bound on w: every weight is
-// read once with 16-byte streaming loads (no L1 allocation), 16 loads in
-// flight per lane. Launched as a programmatic dependent, it issues its first
-// weight loads while the previous kernel is still running, then waits for it
-// and stages the few x rows in shared memory. A warp owns R = 2 output rows
-// (kGemvRowsPerWarp) and reduces over all of K: lane l takes 16-byte chunks
-// l, l + 32, ... of each row (512 contiguous bytes per warp load),
-// accumulates in fp32, and a warp reduction finishes. Each (m, n) sums in
-// the same order whatever M and R are, so a row's result does not depend on
-// the batch it is in. At batch 1 the decoder layer is six launches: these
-// fusions remove the norm, add and silu_mul kernels (and their launch gaps)
-// between the projections.
+// read once, copied by the block into a ring of shared-memory stages with
+// cp.async (`L2::256B`, bypassing L1). Launched as a programmatic dependent,
+// it copies its first stages while the previous kernel is still running,
+// then waits for it and stages the few x rows in shared memory. A warp owns
+// R = 2 output rows (kGemvRowsPerWarp) and reduces over all of K: lane l
+// takes 16-byte chunks l, l + 32, ... of each row, accumulates in fp32, and
+// a warp reduction finishes. Each (m, n) sums in the same order whatever M
+// and R are, so a row's result does not depend on the batch it is in. At
+// batch 1 the decoder layer is six launches: these fusions remove the
+// norm, add and silu_mul kernels (and their launch gaps) between the
+// projections.
 //
 // FP8 weights (E4M3, a float scale per output channel) take their own
 // kernel on the tensor cores (mma.sync m16n8k32): converting 16 weights per
 // 16-byte load to float on the CUDA cores costs more issue slots than the
 // load itself. x is quantized per row (after the norm, if any) exactly as
-// quantize_fp8 does, once per block; weights go from HBM straight into the
-// mma's registers (below, "FP8, register-direct"); each step's sum of 64
+// quantize_fp8 does, once per block; weights go through shared-memory
+// stages (below, "FP8, staged weights"); each step's sum of 64
 // products is added into fp32 registers (the tensor cores' own
 // accumulation is kept that short), and the fixed-order sum is scaled by
 // (x scale) * (weight scale) before the same epilogues as the 16-bit GEMV:
@@ -31,16 +31,6 @@
 namespace turbomq {
 namespace cuda {
 namespace {
-
-constexpr int kInFlight = 16;  // 16-byte weight loads in flight per lane
-
-__device__ __forceinline__ uint4 load_stream(const uint4* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
 
 // Two 16-bit values of a 32-bit word -> float2.
 template <typename T>
@@ -62,18 +52,6 @@ __device__ __forceinline__ void widen8(const uint4& v, float* f) {
     const float2 p = widen2<T>(w[i]);
     f[2 * i] = p.x;
     f[2 * i + 1] = p.y;
-  }
-}
-
-// Loads chunk `base + 32 u` of each of the R rows (zero past the row).
-template <int kU, int R>
-__device__ __forceinline__ void load_weights(uint4 (&wv)[kU][R], const uint4* const (&wr)[R], int base,
-                                             int kv) {
-#pragma unroll
-  for (int u = 0; u < kU; ++u) {
-    const int k = base + 32 * u;
-#pragma unroll
-    for (int r = 0; r < R; ++r) wv[u][r] = k < kv ? load_stream(wr[r] + k) : make_uint4(0, 0, 0, 0);
   }
 }
 
@@ -291,40 +269,73 @@ __device__ __forceinline__ int weight_row(int n, int second, int n_out, int head
 // H100 (docs/kernels.md). Row sums do not depend on it.
 constexpr int kGemvRowsPerWarp = 2;
 
+// The weights' way in: the block's rows (W warps x R rows) are copied with
+// cp.async into a ring of kGemvStages stages of kGemvStageChunks 16-byte
+// chunks of each row (1 KiB), every thread a share; after a stage's barrier,
+// lane l of a warp reads chunks l, l + 32, ... of its rows from it. Shared
+// memory: the ring ([kGemvStages][W * R][kGemvStageChunks] chunks), then x's
+// rows (kSmemX), then the norm weight. It replaced 16-byte loads straight
+// into registers, 16 in flight a lane, with the same sums: on the H100 the
+// batch-1 decode step went from 5.475 to 5.294 ms (o 17.4 -> 10.7 µs a
+// layer, down 45.1 -> 39.1; gate/up 72.6 -> 75.9, qkv 17.1 -> 20.4;
+// docs/kernels.md, "Weights through shared memory").
+constexpr int kGemvStageChunks = 64;
+constexpr int kGemvStages = 4;
+constexpr int kGemvSmemOptIn = 219 * 1024;  // the ring, x and the norm weight
+
 template <typename T, int M, int W, bool kSmemX, Prologue P, Epilogue E>
 __global__ void __launch_bounds__(W * 32) gemv_kernel(const GemvArgs<T, T> a) {
   static_assert(P == Prologue::kNone || kSmemX, "the norm prologue works on staged x");
-  constexpr int R = kGemvRowsPerWarp;
+  constexpr int R = kGemvRowsPerWarp, kRows = W * R, kC = kGemvStageChunks;
+  constexpr int kStage = kRows * kC;              // chunks a stage
+  constexpr int kPieces = kStage / (W * 32);      // chunks a thread copies a stage
+  static_assert(kPieces * W * 32 == kStage, "whole stages");
   constexpr bool kPaired = E == Epilogue::kSiluMul || E == Epilogue::kRopeKV;
-  constexpr int kU = kInFlight / R;  // chunks per row per iteration
-  extern __shared__ uint4 xs[];      // [M][kv] with kSmemX, then the norm weight [kv]
-  __shared__ float partial[W][M];    // kRmsNorm: per-warp sums of squares
-  launch_dependents();               // a following GEMV may start fetching its weights
-  const int lane = threadIdx.x % 32;
-  const int warp_id = blockIdx.x * W + threadIdx.x / 32;
-  // First output column of this warp (may be past n_out: no writes) and its weight rows.
-  const int n0 = kPaired ? warp_id : warp_id * R;
-  const int kv = a.k_in / 8;  // 16-byte chunks per row (of weights and of x)
-  const uint4* wr[R];
+  extern __shared__ __align__(16) uint4 smem16[];
+  __shared__ float partial[W][M];
+  launch_dependents();
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int kv = a.k_in / 8;
+  constexpr int stages = kGemvStages;
+  uint4* xs = smem16 + stages * kStage;
+  uint4* nws = xs + (kSmemX ? M * kv : 0);
+  auto row_of = [&](int j) {  // block row j: row j % R of warp j / R
+    const int warp_id = blockIdx.x * W + j / R;
+    const int n0 = kPaired ? warp_id : warp_id * R;
+    const int row = kPaired ? weight_row<E>(n0, j % R, a.n_out, a.rope.head_dim)
+                            : weight_row<E>(n0 + j % R, 0, a.n_out, a.rope.head_dim);
+    return reinterpret_cast<const uint4*>(a.w) + static_cast<std::int64_t>(row) * kv;
+  };
+  // The copy: chunk threadIdx.x % kC of block rows threadIdx.x / kC + (W * 32 / kC) q.
+  const int c_chunk = threadIdx.x % kC;
+  const uint4* c_row[kPieces];
 #pragma unroll
-  for (int r = 0; r < R; ++r) {
-    const int row = kPaired ? weight_row<E>(n0, r, a.n_out, a.rope.head_dim)
-                            : weight_row<E>(n0 + r, 0, a.n_out, a.rope.head_dim);
-    wr[r] = reinterpret_cast<const uint4*>(a.w) + static_cast<std::int64_t>(row) * kv;
-  }
-  uint4 wv[kU][R];
-  int base = lane;
-  load_weights<kU, R>(wv, wr, base, kv);  // independent of the previous kernel
-  uint4* nws = xs + M * kv;
+  for (int q = 0; q < kPieces; ++q) c_row[q] = row_of(threadIdx.x / kC + (W * 32 / kC) * q);
+  const std::uint32_t ring = static_cast<std::uint32_t>(__cvta_generic_to_shared(smem16));
+  const int n_stages = (kv + kC - 1) / kC;
+  int next_stage = 0;
+  auto issue = [&](int slot) {  // one commit group, empty past the last stage
+    if (next_stage < n_stages) {
+      const int k = next_stage * kC + c_chunk;
+#pragma unroll
+      for (int q = 0; q < kPieces; ++q) {
+        cp_async16_l2_256(ring + 16 * (slot * kStage + threadIdx.x + W * 32 * q),
+                          c_row[q] + (k < kv ? k : 0), k < kv);
+      }
+    }
+    ++next_stage;
+    cp_async_commit();
+  };
+  for (int s = 0; s < stages - 1; ++s) issue(s);  // independent of the previous kernel
   prefetch_norm_weight<T, T, W, P>(a, nws);
 
+  const int n0 = kPaired ? blockIdx.x * W + warp : (blockIdx.x * W + warp) * R;
   grid_dependency_wait();
-  // Non-paired: lane m * R + r writes (m, n0 + r); with kAddInto it reads its residual now.
   float resid = 0.0f;
   if constexpr (E == Epilogue::kAddInto) {
     if (lane < M * R && n0 + lane % R < a.n_out) resid = residual(a, lane / R, n0 + lane % R);
   }
-  RopeIn rin{};  // paired: lane m writes (m, n0)
+  RopeIn rin{};
   if constexpr (E == Epilogue::kRopeKV) {
     if (lane < M && n0 < a.n_out) rin = rope_in(a, lane, n0);
   }
@@ -336,37 +347,39 @@ __global__ void __launch_bounds__(W * 32) gemv_kernel(const GemvArgs<T, T> a) {
   for (int m = 0; m < M; ++m)
 #pragma unroll
     for (int r = 0; r < R; ++r) acc[m][r] = 0.0f;
-  while (true) {
+  for (int s = 0, slot = 0; s < n_stages; ++s) {
+    cp_async_wait<stages - 2>();
+    __syncthreads();  // stage s landed everywhere; stage s - 1's slot is free
+    issue(slot == 0 ? stages - 1 : slot - 1);
+    const uint4* st = smem16 + slot * kStage + warp * R * kC;
 #pragma unroll
-    for (int u = 0; u < kU; ++u) {
-      const int k = base + 32 * u;
+    for (int u = 0; u < kC / 32; ++u) {
+      const int k = s * kC + lane + 32 * u;
       if (k < kv) {
         float wf[R][8];
 #pragma unroll
-        for (int r = 0; r < R; ++r) widen8<T>(wv[u][r], wf[r]);
+        for (int r = 0; r < R; ++r) widen8<T>(st[r * kC + lane + 32 * u], wf[r]);
 #pragma unroll
         for (int m = 0; m < M; ++m) {
           float xf[8];
           widen8<T>(kSmemX ? xs[m * kv + k] : __ldcg(xv + m * kv + k), xf);
 #pragma unroll
           for (int r = 0; r < R; ++r) {
-            float s = acc[m][r];
+            float v = acc[m][r];
 #pragma unroll
-            for (int e = 0; e < 8; ++e) s = fmaf(xf[e], wf[r][e], s);
-            acc[m][r] = s;
+            for (int e = 0; e < 8; ++e) v = fmaf(xf[e], wf[r][e], v);
+            acc[m][r] = v;
           }
         }
       }
     }
-    base += 32 * kU;
-    if (base >= kv) break;
-    load_weights<kU, R>(wv, wr, base, kv);
+    slot = slot + 1 == stages ? 0 : slot + 1;
   }
+  cp_async_wait<0>();
 #pragma unroll
   for (int m = 0; m < M; ++m)
 #pragma unroll
     for (int r = 0; r < R; ++r) acc[m][r] = warp_sum(acc[m][r]);
-  // Paired: lane m writes (m, n0).
 #pragma unroll
   for (int m = 0; m < M; ++m) {
     if constexpr (kPaired) {
@@ -716,8 +729,10 @@ void launch_gemv_x(const GemvArgs<T, T>& a, cudaStream_t s) {
   const int x_rows = M + (P == Prologue::kRmsNorm ? 1 : 0);
   const std::size_t smem = kSmemX ? static_cast<std::size_t>(x_rows) * a.k_in * sizeof(T) : 0;
   const int warps = (a.n_out + kColsPerWarp - 1) / kColsPerWarp;
-  launch(gemv_kernel<T, M, W, kSmemX, P, E>, a, (warps + W - 1) / W, W * 32, smem,
-         2 * kGemvSmemBytes, opted_in, s, "gemv_kernel");
+  const std::size_t ring =
+      static_cast<std::size_t>(kGemvStages) * W * kGemvRowsPerWarp * kGemvStageChunks * 16;
+  launch(gemv_kernel<T, M, W, kSmemX, P, E>, a, (warps + W - 1) / W, W * 32, ring + smem,
+         kGemvSmemOptIn, opted_in, s, "gemv_kernel");
 }
 
 // Two blocks an SM (their registers fill it), more where a block would

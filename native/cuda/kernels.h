@@ -70,8 +70,8 @@ void rotary_write_kv(std::uintptr_t q_out, std::uintptr_t q, std::int64_t q_stri
 // and writes y [rows, N] = silu(x w[:N]^T) * (x w[N:]^T), as silu_mul.
 // With programmatic launch on (the default), the GEMV is launched with
 // programmatic stream serialization: it starts while the previous kernel
-// runs (the other kernels here signal it early), issues its first weight
-// loads, and waits for that kernel before reading x.
+// runs (the other kernels here signal it early), copies its first weight
+// stages, and waits for that kernel before reading x.
 // w_scale != 0: w is E4M3 [N, K] with a float32 scale per row at w_scale (K
 // a multiple of 128, at most 4 rows, (rows + 1) * K (* 3 with the norm) <=
 // kGemvFp8XBytes: x's E4M3 copy, a zero row and, with the norm, the staged

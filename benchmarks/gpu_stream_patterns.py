@@ -20,7 +20,7 @@ gate/up's bytes for every order (16-bit and FP8), and down, qkv and o for
 the FP8 ones.
 
 Each reads its bytes from HBM (the launches rotate over 1 GiB). Timing: a
-CUDA graph of 20 launches, replayed 5 times, CUDA events.
+CUDA graph of 20 launches, the median of 5 replays (gpu_kernels.time_graph).
 
     python benchmarks/gpu_stream_patterns.py --out DIR
 
@@ -30,10 +30,15 @@ torch.utils.cpp_extension."""
 from __future__ import annotations
 
 import argparse
+import importlib.util
 from pathlib import Path
 
 import torch
 from torch.utils.cpp_extension import load_inline
+
+_spec = importlib.util.spec_from_file_location("gpu_kernels", Path(__file__).with_name("gpu_kernels.py"))
+gpu_kernels = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(gpu_kernels)
 
 CUDA_SRC = r"""
 #include <cstdint>
@@ -240,22 +245,8 @@ def main() -> None:
     for kind, rows, row_bytes in CASES:
         size = rows * row_bytes
         offsets = [(i * size) % ((1 << 30) - size) // 4096 * 4096 for i in range(20)]
-        for o in offsets[:3]:
-            mod.run(kind, pool, o, rows, row_bytes, out, sms)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for o in offsets:
-                mod.run(kind, pool, o, rows, row_bytes, out, sms)
-        graph.replay()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(5):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        us = start.elapsed_time(end) * 1000 / 100
+        us = 1e6 * gpu_kernels.time_graph(
+            lambda i: mod.run(kind, pool, offsets[i], rows, row_bytes, out, sms), len(offsets), reps=5)
         lines.append(f"| {kind} | {rows} x {row_bytes} | {size / 1e6:.1f} | {us:.2f} | {size / us / 1e6:.3f} |")
         print(lines[-1], flush=True)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -735,8 +735,8 @@ void launch_gemv_x(const GemvArgs<T, T>& a, cudaStream_t s) {
          kGemvSmemOptIn, opted_in, s, "gemv_kernel");
 }
 
-// Two blocks an SM (their registers fill it), more where a block would
-// take over kFp8MaxTiles tiles.
+// Two blocks an SM (the ring's depth is chosen so that their shared memory
+// fits), more where a block would take over kFp8MaxTiles tiles.
 template <typename T, int M, Prologue P, Epilogue E>
 void launch_gemv_fp8(const GemvArgs<T, Fp8>& a, cudaStream_t s) {
   constexpr int kCols = (E == Epilogue::kSiluMul || E == Epilogue::kRopeKV) ? 4 : 8;

@@ -129,3 +129,24 @@ def test_prefill_partitions_split_only_what_does_not_fill_the_gpu():
     assert (parts - 1) * size < 8320 <= parts * size
     assert 64 * parts >= 2 * 132 or size == cuda_ops.PREFILL_MIN_PARTITION
     assert plan(64, 300, 132) == (0, 1)  # too few keys to split into 512-key parts
+
+
+def test_attention_lengths_are_converted_once_a_step_and_split_by_prompt_length():
+    """paged_attention's per-step host data: the longest context of the
+    prefill-kernel sequences (>= PREFILL_MIN_Q_LEN new tokens) and of the
+    rest, kept on the batch so that later layers reuse it."""
+    from turbomq.worker.model.ops import cuda as cuda_ops
+    from turbomq.worker.model.ops.attention_batch import AttentionBatch
+
+    long_q = cuda_ops.PREFILL_MIN_Q_LEN
+    q_lens, ctx = [1, long_q, 1, long_q + 3], [900, long_q + 40, 70, long_q + 3]
+    tables = np.arange(4 * 8).reshape(4, 8)
+    batch = AttentionBatch.build(q_lens, ctx, tables, block_size=128)
+    assert cuda_ops._max_context(batch, "long") == long_q + 40
+    assert cuda_ops._max_context(batch, "short") == 900
+    assert cuda_ops._selected(batch, "long").tolist() == [False, True, False, True]
+    batch.q_lens_host[0] = 10_000  # not read again this step
+    assert cuda_ops._max_context(batch, "short") == 900
+    assert cuda_ops._lens(batch)[0].tolist() == q_lens
+    only_decode = AttentionBatch.build([1, 1], [5, 9], tables[:2], block_size=128)
+    assert cuda_ops._max_context(only_decode, "long") == 1  # no sequence: 1

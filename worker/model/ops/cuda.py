@@ -589,18 +589,34 @@ def _counters(device: torch.device, n: int) -> Optional[torch.Tensor]:
     return buf
 
 
+def _lens(batch: AttentionBatch) -> tuple[np.ndarray, np.ndarray]:
+    """The batch's new-token and context lengths as arrays, converted once a
+    step (every layer's attention asks; at 512 sequences each conversion of
+    the host lists costs tens of microseconds)."""
+    cache = batch.backend_cache
+    if "lens" not in cache:
+        cache["lens"] = (np.asarray(batch.q_lens_host, dtype=np.int64),
+                         np.asarray(batch.context_lens_host, dtype=np.int64))
+    return cache["lens"]
+
+
 def _selected(batch: AttentionBatch, which: Optional[str]) -> np.ndarray:
     """Which sequences `which` names: all (None), those of at least
     PREFILL_MIN_Q_LEN new tokens ("long"), or the others ("short")."""
-    q = np.asarray(batch.q_lens_host, dtype=np.int64)
+    q = _lens(batch)[0]
     if which is None:
         return np.ones(len(q), dtype=bool)
     return (q >= PREFILL_MIN_Q_LEN) == (which == "long")
 
 
 def _max_context(batch: AttentionBatch, which: str) -> int:
-    ctx = np.asarray(batch.context_lens_host, dtype=np.int64)[_selected(batch, which)]
-    return int(ctx.max()) if len(ctx) else 1
+    """The longest context among the sequences `which` names (1 if none);
+    once a step."""
+    cache = batch.backend_cache.setdefault("max_context", {})
+    if which not in cache:
+        ctx = _lens(batch)[1][_selected(batch, which)]
+        cache[which] = int(ctx.max()) if len(ctx) else 1
+    return cache[which]
 
 
 def _tiles(batch: AttentionBatch, group: int, device: torch.device, rows: Optional[int] = None,
@@ -617,7 +633,7 @@ def _tiles(batch: AttentionBatch, group: int, device: torch.device, rows: Option
             and group <= rows and not listed):
         result = (None, batch.num_seqs)
     else:
-        q = np.asarray(batch.q_lens_host, dtype=np.int64)
+        q = _lens(batch)[0]
         per_seq = np.where(_selected(batch, which), (q * group + rows - 1) // rows, 0)
         total = int(per_seq.sum())
         seq = np.repeat(np.arange(len(q)), per_seq)
@@ -700,7 +716,7 @@ def paged_attention(q: torch.Tensor, kv: LayerKV, batch: AttentionBatch, scale: 
                                        _k.PREFILL_TILE_ROWS, d, fused_combine)
         out = _launch_attention(out, q, kv, batch, scale, tiles, num_tiles, part_size, parts,
                                 partials, counters, prefill=True)
-        if min(batch.q_lens_host) >= PREFILL_MIN_Q_LEN:
+        if _lens(batch)[0].min() >= PREFILL_MIN_Q_LEN:
             return out
         which, max_context = "short", _max_context(batch, "short")
     tiles, num_tiles = _tiles(batch, nh // nkv, q.device, None, which)

@@ -186,12 +186,6 @@ __global__ void __launch_bounds__(256) fp8_stage(const uint8_t* w, int tiles, in
   if (acc == 0x12345678u) out[blockIdx.x] = acc;
 }
 
-template <typename K>
-void launch_smem(K k, int blocks, int smem, cudaStream_t s, const uint8_t* p, int a, int b, unsigned* o) {
-  cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  k<<<blocks, 256, smem, s>>>(p, a, b, o);
-}
-
 void run(const std::string& kind, torch::Tensor w, int64_t offset, int64_t rows, int64_t row_bytes,
          torch::Tensor out, int64_t sms) {
   auto s = c10::cuda::getCurrentCUDAStream();
@@ -206,7 +200,8 @@ void run(const std::string& kind, torch::Tensor w, int64_t offset, int64_t rows,
     k<<<rows / 128 * chunks, 256, 65536, s>>>(p, row_bytes, chunks, o);
   } else if (kind == "fp8_stage" || kind == "fp8_stage_x3" || kind == "fp8_stage_t1") {
     const int blocks = kind == "fp8_stage" ? 2 * sms : kind == "fp8_stage_x3" ? 3 * sms : rows / 8;
-    launch_smem(fp8_stage, blocks, 65536, s, p, rows / 8, row_bytes, o);
+    cudaFuncSetAttribute(fp8_stage, cudaFuncAttributeMaxDynamicSharedMemorySize, 65536);
+    fp8_stage<<<blocks, 256, 65536, s>>>(p, rows / 8, row_bytes, o);
   } else {
     auto k = kind == "fp8" ? fp8<false> : fp8<true>;
     k<<<2 * sms, 256, 0, s>>>(p, rows / 8, row_bytes, o);

@@ -486,9 +486,8 @@ __device__ __forceinline__ void quantize_x(const GemvArgs<T, Fp8>& a, bool stage
 // (benchmarks/gpu_stream_patterns.py).
 constexpr int kFp8Warps = 8;
 constexpr int kFp8StageBytes = 2 * kFp8Warps * 1024;  // two 8-row x 128-byte steps a warp
-// Stages in the ring, where two blocks an SM still fit (else fewer, at least
-// two). Three beat four on the H100 by a little (docs/kernels.md): the next
-// projection's blocks find room on the SM sooner.
+// The ring's most stages (fp8_layout). Three beat four on the H100 by a
+// little (docs/kernels.md): the next projection's blocks find room sooner.
 constexpr int kFp8MaxStages = 3;
 constexpr int kFp8MaxTiles = 32;  // tiles per block (their partial sums stay in shared memory)
 
@@ -501,9 +500,8 @@ constexpr int kFp8TwoBlockSmemBytes = 112 * 1024;
 // int64); x's E4M3 rows and a row of zeros (the B columns past M); x staged
 // in 16 bits; the norm weight (kRmsNorm); the warps' sums per tile. x is
 // staged always with the norm, otherwise where two blocks with a ring of two
-// stages still fit an SM (else quantize_x reads x from L2 twice). The host
-// picks the ring's depth (launch_gemv_fp8); the kernel reads it back from
-// the launch's shared memory size.
+// stages still fit an SM (else quantize_x reads x from L2 twice); the ring's
+// depth is fp8_layout's.
 struct Fp8Smem {
   int table, x_q, x_16, norm_w, sums, bytes, stages;
   bool staged;
@@ -527,6 +525,18 @@ __host__ __device__ __forceinline__ Fp8Smem fp8_smem(int m, int k_in, int t_byte
   return l;
 }
 
+// The ring's depth: kFp8MaxStages where two blocks an SM still fit, else
+// fewer, at least two. The host (launch) and the kernel both take it from here.
+__host__ __device__ __forceinline__ Fp8Smem fp8_layout(int m, int k_in, int t_bytes, bool norm,
+                                                       int tiles_per_block, int warps) {
+  int stages = kFp8MaxStages;
+  while (stages > 2 && fp8_smem(m, k_in, t_bytes, norm, tiles_per_block, warps, stages).bytes >
+                           kFp8TwoBlockSmemBytes) {
+    --stages;
+  }
+  return fp8_smem(m, k_in, t_bytes, norm, tiles_per_block, warps, stages);
+}
+
 template <typename T, int M, Prologue P, Epilogue E>
 __global__ void __launch_bounds__(kFp8Warps * 32) gemv_fp8_kernel(const GemvArgs<T, Fp8> a) {
   static_assert(M <= 4, "x rows times two segments are the mma's 8 columns");
@@ -540,14 +550,8 @@ __global__ void __launch_bounds__(kFp8Warps * 32) gemv_fp8_kernel(const GemvArgs
   launch_dependents();
   const int x_pitch = fp8_x_pitch(a.k_in);
   const int tiles = (a.n_out + kCols - 1) / kCols;
-  const int tiles_per_block = (tiles + gridDim.x - 1) / gridDim.x;
-  std::uint32_t smem_bytes;
-  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(smem_bytes));
-  const Fp8Smem layout = fp8_smem(
-      M, a.k_in, sizeof(T), P == Prologue::kRmsNorm, tiles_per_block, W,
-      (static_cast<int>(smem_bytes) -
-       fp8_smem(M, a.k_in, sizeof(T), P == Prologue::kRmsNorm, tiles_per_block, W, 0).bytes) /
-          kFp8StageBytes);
+  const Fp8Smem layout = fp8_layout(M, a.k_in, sizeof(T), P == Prologue::kRmsNorm,
+                                    (tiles + gridDim.x - 1) / gridDim.x, W);
   auto* row_at = reinterpret_cast<std::int64_t*>(smem + layout.table);
   std::uint8_t* xq = smem + layout.x_q;
   uint4* xs = reinterpret_cast<uint4*>(smem + layout.x_16);
@@ -745,14 +749,10 @@ void launch_gemv_fp8(const GemvArgs<T, Fp8>& a, cudaStream_t s) {
   const int blocks =
       std::min(tiles, std::max(2 * sm_count(), (tiles + kFp8MaxTiles - 1) / kFp8MaxTiles));
   const int per_block = (tiles + blocks - 1) / blocks;
-  const bool norm = P == Prologue::kRmsNorm;
-  auto bytes = [&](int stages) {
-    return fp8_smem(M, a.k_in, sizeof(T), norm, per_block, kFp8Warps, stages).bytes;
-  };
-  int stages = kFp8MaxStages;
-  while (stages > 2 && bytes(stages) > kFp8TwoBlockSmemBytes) --stages;
-  launch(gemv_fp8_kernel<T, M, P, E>, a, blocks, kFp8Warps * 32, bytes(stages), kFp8SmemBytes,
-         opted_in, s, "gemv_fp8_kernel");
+  const std::size_t smem =
+      fp8_layout(M, a.k_in, sizeof(T), P == Prologue::kRmsNorm, per_block, kFp8Warps).bytes;
+  launch(gemv_fp8_kernel<T, M, P, E>, a, blocks, kFp8Warps * 32, smem, kFp8SmemBytes, opted_in,
+         s, "gemv_fp8_kernel");
 }
 
 // Long rows (the down projection's K = 14336) take 8 warps a block, so one

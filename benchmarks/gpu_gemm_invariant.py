@@ -7,8 +7,9 @@ o 4096 x 4096, gate_up 28672 x 4096, down 4096 x 14336), bf16, for M = 1 to
 8192 rows: time, TFLOP/s, GB/s (weights + x + y; the split shape's fp32
 chunk sums are extra traffic, not counted) and the ratio to cuBLAS. Both
 launch shapes are timed where they fit (split: up to 512 rows), so the
-split/tiled switch (cuda.INVARIANT_SPLIT_MAX_ROWS) can be checked, and the
-native GEMV (the non-invariant decode path) up to 8 rows. Every
+split/tiled switch (cuda.INVARIANT_SPLIT_MAX_ROWS) can be checked, the gemv shape
+where it takes the rows (up to 16, x in its shared memory), and the native
+GEMV (the non-invariant decode path) up to 8 rows. Every
 linear_invariant figure is taken twice: chunk sums on mma.sync (the default)
 and on wgmma (TURBOMQ_INVARIANT_WGMMA=1), in the same run.
 
@@ -68,10 +69,10 @@ def bench_shape(name: str, n: int, k: int, rows_list: list[int]) -> list[dict]:
         def timed(fn) -> float:
             return gpu_kernels.time_graph(lambda i: fn(x, ws[i % copies]), calls, reps)
 
-        auto_split = (cuda_ops._invariant_path(None, m, n, k, DEV)
-                      == cuda_ops._k.GemmInvariantPath.SPLIT)
-        r = {"name": name, "n": n, "k": k, "m": m, "copies": copies,
-             "path": "split" if auto_split else "tiled"}
+        kind = cuda_ops._invariant_path(None, m, n, k, DEV)
+        path = {cuda_ops._k.GemmInvariantPath.SPLIT: "split",
+                cuda_ops._k.GemmInvariantPath.GEMV: "gemv"}.get(kind, "tiled")
+        r = {"name": name, "n": n, "k": k, "m": m, "copies": copies, "path": path}
         r["cublas_us"] = timed(F.linear) * 1e6
         for kind, prefix in ((False, ""), (True, "wg_")):
             cuda_ops.set_invariant_wgmma(kind, kind)
@@ -90,7 +91,12 @@ def bench_shape(name: str, n: int, k: int, rows_list: list[int]) -> list[dict]:
         # The default: the split shape on mma.sync, the tiled one on wgmma
         # where INVARIANT_WGMMA (Hopper).
         tiled_prefix = "wg_" if cuda_ops.INVARIANT_WGMMA else ""
-        r["us"] = r["split_us"] if auto_split else r[tiled_prefix + "tiled_us"]
+        r["inv_gemv_us"] = None
+        if cuda_ops._k.gemm_invariant_gemv_fits(m, k):
+            r["inv_gemv_us"] = timed(
+                lambda a, b: cuda_ops.linear_invariant(a, b, path="gemv")) * 1e6
+        r["us"] = {"split": r["split_us"], "gemv": r["inv_gemv_us"]}.get(
+            path, r[tiled_prefix + "tiled_us"])
         r["gemv_us"] = None
         if m <= GEMV_MAX_ROWS:
             r["gemv_us"] = timed(lambda a, b: cuda_ops.linear(a, b, native=True)) * 1e6
@@ -103,11 +109,12 @@ def bench_shape(name: str, n: int, k: int, rows_list: list[int]) -> list[dict]:
         extra = f"  gemv {r['gemv_us']:8.1f} us" if r["gemv_us"] else ""
         split = f"{r['split_us']:8.1f}" if r["split_us"] else "       -"
         wg_split = f"{r['wg_split_us']:8.1f}" if r["wg_split_us"] else "       -"
+        inv_gemv = f"{r['inv_gemv_us']:8.1f}" if r["inv_gemv_us"] else "       -"
         print(f"{name:8s} {n:5d}x{k:5d} M={m:5d}: {r['path']:5s} {r['us']:8.1f} us "
               f"{r['TFLOPs']:6.1f} TFLOP/s {r['GBps']:6.0f} GB/s | cuBLAS {r['cublas_us']:8.1f} us "
               f"(x{r['vs_cublas']:.2f}) | mma.sync tiled {r['tiled_us']:8.1f} split {split} | "
               f"wgmma tiled {r['wg_tiled_us']:8.1f} split {wg_split} "
-              f"tiled+TMA {r['wg_tma_tiled_us']:8.1f}{extra}", flush=True)
+              f"tiled+TMA {r['wg_tma_tiled_us']:8.1f} | gemv shape {inv_gemv}{extra}", flush=True)
         del x
         torch.cuda.empty_cache()
     del ws
@@ -123,8 +130,9 @@ def markdown(info: dict, rows: list[dict]) -> str:
         "Produced by `benchmarks/gpu_gemm_invariant.py`.", "",
         f"`linear_invariant` (chunks of {info['chunk']} along K, folded in order) against "
         "cuBLAS (`F.linear`). GB/s counts weights + x + y. `vs cuBLAS` > 1 means faster than "
-        "cuBLAS. Both launch shapes give the same bits, and so do the two kinds of MMA; "
-        "`path` is the one `linear_invariant` picks (split up to "
+        "cuBLAS. The launch shapes give the same bits, and so do the two kinds of MMA; "
+        "`path` is the one `linear_invariant` picks (the gemv shape up to "
+        f"{info.get('gemv_max_rows', 0)} rows where x fits its shared memory, split up to "
         f"{info['split_max_rows']} rows if the chunk sums fit in 64 MiB; with the tiled "
         "shape on `mma.sync`, also while its grid would leave SMs idle), and `time` that "
         "path on the default's kind: the split shape on `mma.sync`, the tiled one on "
@@ -135,17 +143,18 @@ def markdown(info: dict, rows: list[dict]) -> str:
         lines += [f"## {name} ({sel[0]['n']} x {sel[0]['k']})", "",
                   "| M | path | time (us) | TFLOP/s | GB/s | cuBLAS (us) | vs cuBLAS "
                   "| mma.sync tiled (us) | mma.sync split (us) | wgmma tiled (us) "
-                  "| wgmma split (us) | wgmma tiled, TMA (us) | GEMV (us) |",
+                  "| wgmma split (us) | wgmma tiled, TMA (us) | gemv shape (us) | GEMV (us) |",
                   "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
-                  "| ---: | ---: | ---: |"]
+                  "| ---: | ---: | ---: | ---: |"]
         for r in sel:
             split = f"{r['split_us']:.1f}" if r["split_us"] else ""
             wg_split = f"{r['wg_split_us']:.1f}" if r["wg_split_us"] else ""
             gemv = f"{r['gemv_us']:.1f}" if r["gemv_us"] else ""
+            inv_gemv = f"{r['inv_gemv_us']:.1f}" if r.get("inv_gemv_us") else ""
             lines.append(f"| {r['m']} | {r['path']} | {r['us']:.1f} | {r['TFLOPs']:.1f} | "
                          f"{r['GBps']:.0f} | {r['cublas_us']:.1f} | {r['vs_cublas']:.2f} | "
                          f"{r['tiled_us']:.1f} | {split} | {r['wg_tiled_us']:.1f} | "
-                         f"{wg_split} | {r['wg_tma_tiled_us']:.1f} | {gemv} |")
+                         f"{wg_split} | {r['wg_tma_tiled_us']:.1f} | {inv_gemv} | {gemv} |")
         lines.append("")
     return "\n".join(lines)
 
@@ -166,6 +175,7 @@ def main() -> None:
     info = {"device": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
             "read_GBps": read_bw / 1e9, "chunk": cuda_ops._k.GEMM_INVARIANT_CHUNK,
             "split_max_rows": cuda_ops.INVARIANT_SPLIT_MAX_ROWS,
+            "gemv_max_rows": cuda_ops.INVARIANT_GEMV_MAX_ROWS,
             "invariant_wgmma": cuda_ops.INVARIANT_WGMMA}
     print(f"{props.name}: read {read_bw / 1e9:.0f} GB/s", flush=True)
     rows = []

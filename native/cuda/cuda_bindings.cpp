@@ -90,7 +90,11 @@ void bind_cuda(py::module_& parent) {
   py::enum_<cuda::GemmInvariantPath>(m, "GemmInvariantPath")
       .value("AUTO", cuda::GemmInvariantPath::kAuto)
       .value("TILED", cuda::GemmInvariantPath::kTiled)
-      .value("SPLIT", cuda::GemmInvariantPath::kSplit);
+      .value("SPLIT", cuda::GemmInvariantPath::kSplit)
+      .value("GEMV", cuda::GemmInvariantPath::kGemv);
+  m.attr("GEMM_INVARIANT_GEMV_MAX_ROWS") = cuda::kGemmInvariantGemvMaxRows;
+  m.def("gemm_invariant_gemv_fits", &cuda::gemm_invariant_gemv_fits, py::arg("rows"),
+        py::arg("k_in"));
   m.def("set_prefill_attention_wgmma", &cuda::set_prefill_attention_wgmma, py::arg("on"));
   m.def("prefill_attention_wgmma", &cuda::prefill_attention_wgmma);
   m.def("set_prefill_attention_tma", &cuda::set_prefill_attention_tma, py::arg("on"));

@@ -691,6 +691,205 @@ __global__ void __launch_bounds__(kThreads) gemm_fold_kernel(const Params p) {
   fold_partials<T, MT>(p, blockIdx.y, blockIdx.x);
 }
 
+// ------------------------------------------------------------ gemv shape
+// A few rows (decode at small batch): the weights streamed once through a
+// ring of shared-memory stages as the default GEMV streams them (gemv.cu),
+// the chunk sums computed by the same mma.m16n8k16 sequence as the other
+// shapes. A block owns kGemvTiles tiles of 8 weight rows (an mma's n8: 8
+// output columns, or with silu 4 gate rows over the 4 up rows of the same 4
+// columns); its items are (tile, chunk) pairs, item i taken by warp
+// i % kWarps. A stage gives each warp a quarter of its item (8 rows x 128 k,
+// 2 KiB, 16-byte chunks XOR-swizzled by row), copied by the whole block with
+// cp.async; the warp runs the quarter's eight k16 steps in increasing k
+// (x rows as the mma's A rows, zero past M; the weight rows as B by
+// ldmatrix), starting from zero at the chunk's first quarter, and at its
+// last writes the chunk sum to shared memory. After the last stage the
+// block folds each output's chunk sums in chunk order (total = c_0;
+// total += c_1 ...) and stores as the other shapes store: the same
+// operands through the same mma sequence and the same fold, so the same
+// bits. x rows are staged in shared memory (a pitch of 2K + 16 bytes keeps
+// the rows' fragment reads on different banks).
+constexpr int kGemvQuarter = 128;  // k per stage a warp
+constexpr int kGemvQuarters = kChunk / kGemvQuarter;
+constexpr int kGemvRingStages = 4;
+constexpr int kGemvWarpStageBytes = 8 * kGemvQuarter * 2;  // 8 rows x 256 bytes
+static_assert(kChunk % kGemvQuarter == 0 && kGemvQuarter % kBK == 0, "quarters are whole k tiles");
+
+// x's rows in shared memory: k tiles' worth of columns (zero past K, as the
+// other shapes zero-fill x), 16 bytes more than a multiple of 128.
+__host__ __device__ __forceinline__ int gemv_x_pitch(int k) { return (k + kBK - 1) / kBK * kBK * 2 + 16; }
+
+// The gemv shape's dynamic shared memory: the ring, x's rows, the chunk sums.
+__host__ __device__ __forceinline__ int gemv_smem_bytes(int warps, int tiles, int m, int k,
+                                                        int chunks) {
+  return kGemvRingStages * warps * kGemvWarpStageBytes + m * gemv_x_pitch(k) +
+         tiles * chunks * m * 8 * static_cast<int>(sizeof(float));
+}
+
+template <typename T, int kWarps, int kTiles>
+__global__ void __launch_bounds__(kWarps * 32) gemm_gemv_kernel(const Params p) {
+  constexpr int kThreads = kWarps * 32;
+  constexpr int kStageBytes = kWarps * kGemvWarpStageBytes;
+  constexpr int kPieces = kStageBytes / 16 / kThreads;  // 16-byte copies a thread a stage
+  static_assert(kPieces * kThreads * 16 == kStageBytes, "whole stages");
+  extern __shared__ __align__(128) unsigned char smem[];
+  launch_dependents();
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int all_tiles = p.n_w / 8;
+  const int tile0 = blockIdx.x * kTiles;
+  const int tiles = min(kTiles, all_tiles - tile0);
+  const int items = tiles * p.chunks;
+  const int rounds = (items + kWarps - 1) / kWarps;
+  const int n_stages = rounds * kGemvQuarters;
+  const int x_pitch = gemv_x_pitch(p.k);
+  const std::uint32_t ring = static_cast<std::uint32_t>(__cvta_generic_to_shared(smem));
+  unsigned char* xs = smem + kGemvRingStages * kStageBytes;
+  float* sums = reinterpret_cast<float*>(xs + p.m * x_pitch);  // [items][m][8]
+
+  // Weight row r (0..7) of block tile t.
+  const auto* w = static_cast<const std::uint16_t*>(p.w);
+  auto row_of = [&](int t, int r) {
+    const int tile = tile0 + t;
+    if (p.inter == 0) return tile * 8 + r;
+    return tile * 4 + (r & 3) + (r >> 2) * p.inter;
+  };
+  // Stage s: the block's copies, one commit group (empty past the last).
+  auto issue = [&](int s, int slot) {
+    if (s < n_stages) {
+      const int round = s / kGemvQuarters, q = s % kGemvQuarters;
+#pragma unroll
+      for (int j = 0; j < kPieces; ++j) {
+        const int piece = threadIdx.x + kThreads * j;
+        const int wp = piece / 128, r = piece % 128 / 16, c = piece % 16;
+        const int item = round * kWarps + wp;
+        const int k = (item % p.chunks) * kChunk + q * kGemvQuarter + c * 8;
+        const bool ok = item < items && k < p.k;
+        const std::uint16_t* src =
+            ok ? w + static_cast<std::int64_t>(row_of(item / p.chunks, r)) * p.k + k : w;
+        cp_async16_l2_256(ring + slot * kStageBytes + wp * kGemvWarpStageBytes + r * 256 +
+                              ((c ^ r) << 4),
+                          src, ok);
+      }
+    }
+    cp_async_commit();
+  };
+  for (int s = 0; s < kGemvRingStages - 1; ++s) issue(s, s);  // weights: before the wait
+
+  grid_dependency_wait();
+  {  // x's rows, pitch x_pitch, zeros past K
+    const int vecs = p.k / 8, padded = p.k_tiles * (kBK / 8);
+    const auto* xg = static_cast<const uint4*>(p.x);
+    const auto xs_addr = static_cast<std::uint32_t>(__cvta_generic_to_shared(xs));
+    for (int i = threadIdx.x; i < p.m * padded; i += kThreads) {
+      const int m = i / padded, v = i % padded;
+      cp_async16(xs_addr + m * x_pitch + 16 * v, xg + (v < vecs ? m * vecs + v : 0), v < vecs);
+    }
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+  }
+
+  const int g = lane / 4, t = lane % 4;
+  const bool row_lo = g < p.m, row_hi = g + 8 < p.m;
+  const unsigned char* x_lo = xs + g * x_pitch + 4 * t;
+  const unsigned char* x_hi = xs + (g + 8) * x_pitch + 4 * t;
+  // ldmatrix: lane l gives row l % 8 of matrix l / 8 (k 8 (l / 8)..: two k16 steps).
+  const std::uint32_t b_row = warp * kGemvWarpStageBytes + (lane % 8) * 256;
+  const int b_key = lane % 8, b_mat = lane / 8;
+  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  for (int s = 0; s < n_stages; ++s) {
+    cp_async_wait<kGemvRingStages - 2>();
+    __syncthreads();  // stage s landed everywhere; stage s - 1's slot is free
+    issue(s + kGemvRingStages - 1, (s + kGemvRingStages - 1) % kGemvRingStages);
+    const int round = s / kGemvQuarters, q = s % kGemvQuarters;
+    const int item = round * kWarps + warp;
+    if (item >= items) continue;  // the same for the whole warp
+    const int chunk = item % p.chunks;
+    if (q == 0) acc[0] = acc[1] = acc[2] = acc[3] = 0.0f;
+    // The quarter's k tiles that exist (the others, past K, run no MMA, as
+    // in the other shapes).
+    const int kt0 = chunk * (kChunk / kBK) + q * (kGemvQuarter / kBK);
+    const int tiles_here = min(kGemvQuarter / kBK, p.k_tiles - kt0);
+    const std::uint32_t st = ring + (s % kGemvRingStages) * kStageBytes + b_row;
+    const int kq = chunk * kChunk + q * kGemvQuarter;  // the quarter's first k
+#pragma unroll
+    for (int pair = 0; pair < kGemvQuarter / 32; ++pair) {
+      if (pair * 32 >= tiles_here * kBK) break;
+      std::uint32_t b[4];
+      ldmatrix_x4(b, st + (((4 * pair + b_mat) ^ b_key) << 4));
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int kb = 2 * (kq + 32 * pair + 16 * h);  // byte offset in an x row
+        std::uint32_t a[4] = {0u, 0u, 0u, 0u};
+        if (row_lo) {
+          a[0] = *reinterpret_cast<const std::uint32_t*>(x_lo + kb);
+          a[2] = *reinterpret_cast<const std::uint32_t*>(x_lo + kb + 16);
+        }
+        if (row_hi) {
+          a[1] = *reinterpret_cast<const std::uint32_t*>(x_hi + kb);
+          a[3] = *reinterpret_cast<const std::uint32_t*>(x_hi + kb + 16);
+        }
+        mma_m16n8k16<T>(acc, a, b[2 * h], b[2 * h + 1]);
+      }
+    }
+    if (q == kGemvQuarters - 1) {
+      float* out = sums + static_cast<std::int64_t>(item) * p.m * 8;
+      if (row_lo) {
+        out[g * 8 + 2 * t] = acc[0];
+        out[g * 8 + 2 * t + 1] = acc[1];
+      }
+      if (row_hi) {
+        out[(g + 8) * 8 + 2 * t] = acc[2];
+        out[(g + 8) * 8 + 2 * t + 1] = acc[3];
+      }
+    }
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+
+  // The fold and the store: a thread per (tile, output column, x row).
+  const int cols = p.inter ? 4 : 8;
+  T* y = static_cast<T*>(p.y);
+  const T* res = static_cast<const T*>(p.residual);
+  auto fold = [&](int tl, int m, int r) {
+    const float* c = sums + (static_cast<std::int64_t>(tl) * p.chunks * p.m + m) * 8 + r;
+    float total = c[0];
+    for (int ch = 1; ch < p.chunks; ++ch) total = __fadd_rn(total, c[ch * p.m * 8]);
+    return total;
+  };
+  for (int i = threadIdx.x; i < tiles * cols * p.m; i += kThreads) {
+    const int tl = i / (cols * p.m), col = i / p.m % cols, m = i % p.m;
+    const std::int64_t off = static_cast<std::int64_t>(m) * p.n + (tile0 + tl) * cols + col;
+    if (p.inter != 0) {
+      y[off] = silu_out<T>(fold(tl, m, col), fold(tl, m, col + 4));
+    } else if (res != nullptr) {
+      y[off] = from_float<T>(__fadd_rn(to_float(res[off]), round_to<T>(fold(tl, m, col))));
+    } else {
+      y[off] = from_float<T>(fold(tl, m, col));
+    }
+  }
+}
+
+template <typename T, int kWarps, int kTiles>
+void launch_gemv_shape(const Params& p, cudaStream_t stream) {
+  auto kernel = gemm_gemv_kernel<T, kWarps, kTiles>;
+  static bool opted_in = false;
+  opt_in_smem(kernel, kGemmInvariantGemvSmemBytes, opted_in,
+              "gemm_invariant: shared memory opt-in");
+  const int blocks = ceil_div(p.n_w / 8, kTiles);
+  launch_programmatic(kernel, p, dim3(blocks), kWarps * 32,
+                      gemv_smem_bytes(kWarps, kTiles, p.m, p.k, p.chunks), stream,
+                      "gemm_gemv_kernel");
+}
+
+// Long rows (the down projection's K = 14336) take 8 warps and two tiles a
+// block, as the default GEMV takes 8 warps there.
+template <typename T>
+void dispatch_gemv_shape(const Params& p, cudaStream_t stream) {
+  if (p.k > 8192) return launch_gemv_shape<T, 8, 2>(p, stream);
+  launch_gemv_shape<T, 4, 1>(p, stream);
+}
+
 bool g_tma_tiled = false;  // set_gemm_invariant_tma
 // Rows from which the tiled shape loads by TMA when it is on: the prefill
 // sizes, where it ran 10-20% faster alone on the H100; with it at decode
@@ -773,6 +972,11 @@ bool resolve_split(std::int64_t rows, GemmInvariantPath path) {
   return path == GemmInvariantPath::kSplit;
 }
 
+// The gemv shape's block for K: (warps, tiles).
+std::pair<int, int> gemv_block(std::int64_t k_in) {
+  return k_in > 8192 ? std::pair<int, int>{8, 2} : std::pair<int, int>{4, 1};
+}
+
 void check_shape(std::int64_t rows, std::int64_t n_out, std::int64_t k_in) {
   require(rows >= 1 && n_out >= 1 && k_in >= 1, "gemm_invariant: empty shape");
   require(n_out % 8 == 0 && k_in % 8 == 0, "gemm_invariant: N and K must be multiples of 8");
@@ -781,6 +985,14 @@ void check_shape(std::int64_t rows, std::int64_t n_out, std::int64_t k_in) {
 }
 
 }  // namespace
+
+bool gemm_invariant_gemv_fits(std::int64_t rows, std::int64_t k_in) {
+  if (rows < 1 || rows > kGemmInvariantGemvMaxRows || k_in < 8 || k_in > (1 << 20)) return false;
+  const auto [warps, tiles] = gemv_block(k_in);
+  const int chunks = static_cast<int>((k_in + kChunk - 1) / kChunk);
+  return gemv_smem_bytes(warps, tiles, static_cast<int>(rows), static_cast<int>(k_in), chunks) <=
+         kGemmInvariantGemvSmemBytes;
+}
 
 void set_gemm_invariant_wgmma(bool tiled, bool split) {
   g_wgmma_tiled = tiled;
@@ -815,6 +1027,15 @@ void gemm_invariant(std::uintptr_t y, std::uintptr_t x, std::uintptr_t w, std::i
   check_shape(rows, n_out, k_in);
   require(x % 16 == 0 && w % 16 == 0 && y % 16 == 0,
           "gemm_invariant: x, w and y must be 16-byte aligned");
+  if (path == GemmInvariantPath::kGemv) {
+    require(gemm_invariant_gemv_fits(rows, k_in),
+            "gemm_invariant: the gemv shape takes at most " +
+                std::to_string(kGemmInvariantGemvMaxRows) +
+                " rows, and x's rows must fit its shared memory");
+    require(residual % 16 == 0, "gemm_invariant: residual must be 16-byte aligned");
+    require(!silu_mul || (n_out % 16 == 0 && residual == 0),
+            "gemm_invariant: silu_mul needs N a multiple of 16 and no residual");
+  }
   const bool split = resolve_split(rows, path);
   const std::int64_t need = gemm_invariant_workspace(rows, n_out, k_in, path);
   require(workspace_bytes >= need, "gemm_invariant: workspace too small (" +
@@ -845,6 +1066,10 @@ void gemm_invariant(std::uintptr_t y, std::uintptr_t x, std::uintptr_t w, std::i
     require(p.n_tiles <= 65535 && m_tiles <= 65535, "gemm_invariant: too many tiles to split");
   } else {
     require(m_tiles * p.n_tiles < (1LL << 31), "gemm_invariant: too many tiles");
+  }
+  if (path == GemmInvariantPath::kGemv) {
+    if (dtype == DType::kF16) return dispatch_gemv_shape<__half>(p, as_stream(stream));
+    return dispatch_gemv_shape<__nv_bfloat16>(p, as_stream(stream));
   }
   if (dtype == DType::kF16) {
     dispatch_rows<__half>(p, split, as_stream(stream));

@@ -114,7 +114,7 @@ void gemv_qkv_rope(std::uintptr_t q_out, std::uintptr_t x, std::uintptr_t w, std
 // K is summed in fixed chunks of kGemmInvariantChunk elements: each chunk
 // from zero by one fixed sequence of mma.m16n8k16 (k increasing), the chunk
 // sums then added in chunk order (total = c0; total += c1; ...) in fp32.
-// Two launch shapes compute exactly that: kTiled (a block per output tile,
+// Three launch shapes compute exactly that: kGemv (below), kTiled (a block per output tile,
 // all of K; no workspace) and kSplit (a block per (tile, chunk), chunk sums
 // in fp32 to the workspace [chunks, rows, N], folded in order by the last
 // block of each tile when `counters` is given (int32
@@ -141,7 +141,15 @@ void gemv_qkv_rope(std::uintptr_t q_out, std::uintptr_t x, std::uintptr_t w, std
 constexpr int kGemmInvariantChunk = 512;
 constexpr int kGemmInvariantSplitMaxRows = 64;
 constexpr int kGemmInvariantTile = 128;  // output columns per block; rows too above 64 rows
-enum class GemmInvariantPath : int { kAuto = 0, kTiled = 1, kSplit = 2 };
+enum class GemmInvariantPath : int { kAuto = 0, kTiled = 1, kSplit = 2, kGemv = 3 };
+// kGemv (a few rows; never chosen by kAuto): each block streams whole weight
+// rows through shared-memory stages, as the GEMV does, its warps computing
+// the chunks' mma sequences and the block folding them in order: the same
+// bits again, no workspace. It takes at most kGemmInvariantGemvMaxRows rows,
+// with x's rows in its shared memory (gemm_invariant_gemv_fits).
+constexpr int kGemmInvariantGemvMaxRows = 16;
+constexpr int kGemmInvariantGemvSmemBytes = 219 * 1024;
+bool gemm_invariant_gemv_fits(std::int64_t rows, std::int64_t k_in);
 // Workspace bytes the launch needs (0 for kTiled), and the number of counters.
 std::int64_t gemm_invariant_workspace(std::int64_t rows, std::int64_t n_out, std::int64_t k_in,
                                       GemmInvariantPath path = GemmInvariantPath::kAuto);

@@ -2,7 +2,8 @@
 within tolerance of the chunked reference and of cuBLAS, and bit-identical
 row by row whatever the batch: a row alone, the first rows, gathered
 subsets (rows at new positions), the same rows among random others, sizes
-either side of the split/tiled switch, both launch shapes forced, the fold
+either side of the split/tiled switch, each launch shape forced (the gemv
+shape's few rows too), the fold
 in the last block or in a second kernel, eager or replayed in a CUDA graph;
 each on mma.sync, on Hopper's wgmma, and mixed (the tiled shape on wgmma,
 the split on mma.sync: Hopper's default); the two kinds give the same bits,
@@ -132,6 +133,49 @@ def test_launch_shapes_agree(dtype, rows, gen):
     assert_rows_equal(apart, tiled, "split (second kernel) vs tiled")
     again = cuda_ops.linear_invariant(x, w, path="split")  # counters were left at zero
     assert_rows_equal(again, tiled, "split, second call")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 8, 9, 16])
+@pytest.mark.parametrize("mode", ["plain", "residual", "silu"])
+def test_gemv_shape_agrees(dtype, rows, mode, gen):
+    """The gemv shape (weights streamed through shared-memory stages, the
+    chunk sums folded in the block) gives the tiled shape's bits, for the
+    plain store, the fused residual add and silu_mul; K of two blocks' kinds
+    (up to 8192 and the down projection's 14336), and K not a multiple of
+    the chunk nor of a 64-wide k tile."""
+    shapes = {"silu": [(2 * 768, 4096), (2 * 264, 1032), (2 * 512, 14336)],
+              "plain": [(1536, 4096), (4096, 14336), (136, 200), (64, 1032)],
+              "residual": [(1536, 4096), (4096, 14336), (136, 200)]}[mode]
+    for n, k in shapes:
+        if not cuda_ops._k.gemm_invariant_gemv_fits(rows, k):
+            continue
+        x = randn((rows, k), dtype, gen)
+        w = randn((n, k), dtype, gen, 0.05)
+        if mode == "residual":
+            res = randn((rows, n), dtype, gen)
+            want = cuda_ops.linear_invariant(x, w, residual=res.clone(), path="tiled")
+            got = cuda_ops.linear_invariant(x, w, residual=res.clone(), path="gemv")
+        else:
+            silu = mode == "silu"
+            want = cuda_ops.linear_invariant(x, w, silu=silu, path="tiled")
+            out = poisoned(want.shape, dtype)
+            got = cuda_ops.linear_invariant(x, w, out=out, silu=silu, path="gemv")
+            assert got is out
+        assert_rows_equal(got, want, f"gemv vs tiled, {mode}, N {n}, K {k}")
+
+
+def test_gemv_shape_limits():
+    """The gemv shape takes at most GEMM_INVARIANT_GEMV_MAX_ROWS rows whose x
+    fits its shared memory; forced past that, a clear error."""
+    k_ = cuda_ops._k
+    assert k_.gemm_invariant_gemv_fits(1, 14336) and k_.gemm_invariant_gemv_fits(16, 4096)
+    assert not k_.gemm_invariant_gemv_fits(k_.GEMM_INVARIANT_GEMV_MAX_ROWS + 1, 4096)
+    assert not k_.gemm_invariant_gemv_fits(16, 14336)
+    x = torch.zeros((17, 4096), dtype=torch.bfloat16, device=DEV)
+    w = torch.zeros((64, 4096), dtype=torch.bfloat16, device=DEV)
+    with pytest.raises(ValueError, match="gemv shape"):
+        cuda_ops.linear_invariant(x, w, path="gemv")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -161,7 +161,10 @@ _HALF = (torch.float16, torch.bfloat16)
 
 
 def _stream(t: torch.Tensor) -> int:
-    return torch.cuda.current_stream(t.device).cuda_stream
+    """The raw handle of the current stream on t's device. Read straight from
+    the C++ side: torch.cuda.current_stream builds a Stream object each call,
+    and a step asks about 200 times (every launch of every layer)."""
+    return torch._C._cuda_getCurrentRawStream(t.get_device())
 
 
 def _aligned(t: torch.Tensor, *strides: int) -> bool:
@@ -177,12 +180,12 @@ class _on_device:
     """Makes `t`'s device current (kernels launch on the current device)."""
 
     def __init__(self, t: torch.Tensor):
-        self.index = t.device.index
+        self.index = t.get_device()
         self.prev: Optional[int] = None
 
     def __enter__(self) -> None:
         cur = torch.cuda.current_device()
-        if self.index is not None and cur != self.index:
+        if cur != self.index:
             self.prev = cur
             torch.cuda.set_device(self.index)
 
@@ -787,8 +790,8 @@ def _launch_attention(out, q, kv, batch, scale, tiles, num_tiles, part_size, par
 # ------------------------------------------------ batch-invariant linear
 # linear_invariant (deterministic mode) runs native/cuda/gemm_invariant.cu:
 # row m of the result is bit-identical whatever the number of rows and
-# whatever the other rows hold. Two launch shapes give the same bits, so the
-# choice between them is one of speed and memory only:
+# whatever the other rows hold. Three launch shapes give the same bits, so the
+# choice among them is one of speed and memory only:
 # - split (a block per (column tile, K chunk), the chunk sums folded in
 #   order): the weights are read once by enough blocks to fill the GPU. For
 #   inputs of at most INVARIANT_SPLIT_MAX_ROWS rows, and, while the tiled
@@ -798,8 +801,15 @@ def _launch_attention(out, q, kv, batch, scale, tiles, num_tiles, part_size, par
 # - tiled (a block per output tile over all of K): everything else, and any
 #   input whose chunk sums would need more than INVARIANT_MAX_WORKSPACE bytes
 #   (the LM head at 64 rows: its 1002 column tiles fill the GPU anyway).
-# TURBOMQ_INVARIANT_SPLIT_MAX_ROWS overrides the row limit.
+# - gemv (a block per few tiles of 8 weight rows, all of K streamed through
+#   shared-memory stages as the default GEMV streams it, the chunk sums folded
+#   in the block): before the others, inputs of at most
+#   INVARIANT_GEMV_MAX_ROWS rows whose x fits its shared memory (decode at
+#   small batch).
+# TURBOMQ_INVARIANT_SPLIT_MAX_ROWS and TURBOMQ_INVARIANT_GEMV_MAX_ROWS
+# override the row limits.
 INVARIANT_SPLIT_MAX_ROWS = int(os.environ.get("TURBOMQ_INVARIANT_SPLIT_MAX_ROWS", "64"))
+INVARIANT_GEMV_MAX_ROWS = int(os.environ.get("TURBOMQ_INVARIANT_GEMV_MAX_ROWS", "1"))
 INVARIANT_MAX_WORKSPACE = 64 << 20
 
 _WORKSPACES: dict[int, torch.Tensor] = {}
@@ -825,6 +835,8 @@ def _workspace(device: torch.device, nbytes: int) -> torch.Tensor:
 
 def _invariant_path(path: Optional[str], rows: int, n_out: int, k_in: int,
                     device: torch.device):
+    if path is None and rows <= INVARIANT_GEMV_MAX_ROWS and _k.gemm_invariant_gemv_fits(rows, k_in):
+        path = "gemv"
     if path is None:
         split = _k.GemmInvariantPath.SPLIT
         tile = _k.GEMM_INVARIANT_TILE
@@ -832,9 +844,10 @@ def _invariant_path(path: Optional[str], rows: int, n_out: int, k_in: int,
         idle = (not _k.gemm_invariant_wgmma()[0]  # the tiled shape on mma.sync
                 and -(-rows // tile) * -(-n_out // tile) < _sm_count(device))
         path = "split" if fits and (rows <= INVARIANT_SPLIT_MAX_ROWS or idle) else "tiled"
-    if path not in ("split", "tiled"):
-        raise ValueError(f"path must be 'split', 'tiled' or None, not {path!r}")
-    return _k.GemmInvariantPath.SPLIT if path == "split" else _k.GemmInvariantPath.TILED
+    if path not in ("split", "tiled", "gemv"):
+        raise ValueError(f"path must be 'split', 'tiled', 'gemv' or None, not {path!r}")
+    return {"split": _k.GemmInvariantPath.SPLIT, "tiled": _k.GemmInvariantPath.TILED,
+            "gemv": _k.GemmInvariantPath.GEMV}[path]
 
 
 def linear_invariant(x: torch.Tensor, weight: torch.Tensor, *,
@@ -843,7 +856,7 @@ def linear_invariant(x: torch.Tensor, weight: torch.Tensor, *,
                      silu: bool = False) -> torch.Tensor:
     """As reference.linear_invariant (x @ weight.T, K summed in fixed chunks
     in a fixed order), batch-invariant bit for bit. `path` forces the launch
-    shape ("split" or "tiled"; both give the same bits); `fused_fold=False`
+    shape ("split", "tiled" or "gemv"; all give the same bits); `fused_fold=False`
     folds the split shape's chunk sums in a second kernel instead of in the
     last block of each tile. Inputs the kernel does not take (not 16-bit, N
     or K not a multiple of 8, weight not contiguous and 16-byte aligned, CPU

@@ -132,7 +132,7 @@ def markdown(info: dict, rows: list[dict]) -> str:
         "cuBLAS (`F.linear`). GB/s counts weights + x + y. `vs cuBLAS` > 1 means faster than "
         "cuBLAS. The launch shapes give the same bits, and so do the two kinds of MMA; "
         "`path` is the one `linear_invariant` picks (the gemv shape up to "
-        f"{info.get('gemv_max_rows', 0)} rows where x fits its shared memory, split up to "
+        f"{info.get('gemv_max_rows', 0)} row(s) where x fits its shared memory, split up to "
         f"{info['split_max_rows']} rows if the chunk sums fit in 64 MiB; with the tiled "
         "shape on `mma.sync`, also while its grid would leave SMs idle), and `time` that "
         "path on the default's kind: the split shape on `mma.sync`, the tiled one on "

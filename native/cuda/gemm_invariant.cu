@@ -26,8 +26,11 @@
 //     partials in chunk order. Small M: the weights are read once by
 //     chunks x N/128 blocks, enough to fill the GPU even at M = 1.
 // Both run the same main loop (Mainloop below), so chunk sums agree bit for
-// bit, and the folds add the same operands in the same order. The host picks
-// the shape (any M works with either); the tests check the two agree.
+// bit, and the folds add the same operands in the same order. A third, gemv
+// (a few rows: decode at batch 1), streams whole weight rows through
+// shared-memory stages as the default GEMV does and runs the same mma
+// sequence and fold in its own loop (below, "gemv shape"). The host picks
+// the shape (any M works with tiled and split); the tests check they agree.
 //
 // The MMA itself is mma.sync m16n8k16 by default, or on Hopper wgmma m64nNk16
 // (set_gemm_invariant_wgmma): the same k16 steps in the same order, each a

@@ -1030,15 +1030,10 @@ void gemm_invariant(std::uintptr_t y, std::uintptr_t x, std::uintptr_t w, std::i
   check_shape(rows, n_out, k_in);
   require(x % 16 == 0 && w % 16 == 0 && y % 16 == 0,
           "gemm_invariant: x, w and y must be 16-byte aligned");
-  if (path == GemmInvariantPath::kGemv) {
-    require(gemm_invariant_gemv_fits(rows, k_in),
-            "gemm_invariant: the gemv shape takes at most " +
-                std::to_string(kGemmInvariantGemvMaxRows) +
-                " rows, and x's rows must fit its shared memory");
-    require(residual % 16 == 0, "gemm_invariant: residual must be 16-byte aligned");
-    require(!silu_mul || (n_out % 16 == 0 && residual == 0),
-            "gemm_invariant: silu_mul needs N a multiple of 16 and no residual");
-  }
+  require(path != GemmInvariantPath::kGemv || gemm_invariant_gemv_fits(rows, k_in),
+          "gemm_invariant: the gemv shape takes at most " +
+              std::to_string(kGemmInvariantGemvMaxRows) +
+              " rows, and x's rows must fit its shared memory");
   const bool split = resolve_split(rows, path);
   const std::int64_t need = gemm_invariant_workspace(rows, n_out, k_in, path);
   require(workspace_bytes >= need, "gemm_invariant: workspace too small (" +

@@ -846,8 +846,7 @@ def _invariant_path(path: Optional[str], rows: int, n_out: int, k_in: int,
         path = "split" if fits and (rows <= INVARIANT_SPLIT_MAX_ROWS or idle) else "tiled"
     if path not in ("split", "tiled", "gemv"):
         raise ValueError(f"path must be 'split', 'tiled', 'gemv' or None, not {path!r}")
-    return {"split": _k.GemmInvariantPath.SPLIT, "tiled": _k.GemmInvariantPath.TILED,
-            "gemv": _k.GemmInvariantPath.GEMV}[path]
+    return getattr(_k.GemmInvariantPath, path.upper())
 
 
 def linear_invariant(x: torch.Tensor, weight: torch.Tensor, *,

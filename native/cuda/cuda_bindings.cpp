@@ -112,7 +112,8 @@ void bind_cuda(py::module_& parent) {
         py::arg("rows"), py::arg("n_out"), py::arg("k_in"), py::arg("dtype"),
         py::arg("workspace"), py::arg("workspace_bytes"), py::arg("stream"),
         py::arg("path") = cuda::GemmInvariantPath::kAuto, py::arg("counters") = 0,
-        py::arg("residual") = 0, py::arg("silu_mul") = false);
+        py::arg("residual") = 0, py::arg("silu_mul") = false, py::arg("norm_eps") = 0.0f,
+        py::arg("row_scale") = 0);
 
   m.def(
       "paged_attention",

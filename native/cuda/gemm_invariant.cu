@@ -60,6 +60,14 @@
 // Every element is still the mma sequence over its own x row and w row, the
 // chunks folded in order: only where a w row sits in the tile changes, and
 // an mma's output element does not depend on its position.
+//
+// Optional folded RMSNorm (norm_eps > 0): w's columns already carry the norm
+// weight (w[n, k] * g[k], folded at load), and every shape multiplies a row's
+// total by r = rsqrt(mean(x^2) + eps) before the store (one __fmul_rn). r's
+// sum of squares has one fixed order (row_sq_sum below): the gemv shape
+// computes it from the x rows it holds anyway, the other shapes read it from
+// gemm_row_scale_kernel, launched in front of them with the same code. So
+// the norm costs no launch at decode and the bits stay the shapes' common ones.
 #include "mma.cuh"
 #include "tma.cuh"
 #include "wgmma.cuh"
@@ -129,7 +137,54 @@ struct Params {
   int n_w;                 // weight rows
   int inter;               // silu: N (the up rows' offset), else 0
   int m_tiles, n_tiles, k_tiles, chunks;
+  float norm_eps;          // > 0: the folded norm (row scales below, or the gemv shape's own)
+  const float* row_scale;  // [M] r of each row (gemm_row_scale_kernel), or null
 };
+
+// The folded norm's sum of squares of one row (k a multiple of 8), in the
+// one order every shape uses: thread t of 128 adds the squares of 16-byte
+// vectors t, t + 128, ... (fmaf, the vector's 8 values in order), then an
+// xor-shuffle reduction in the warp. rms_scale adds the four warps' sums in
+// warp order and gives rsqrt(sum / k + eps).
+template <typename T>
+__device__ __forceinline__ float row_sq_sum(const T* row, int k, int tid) {
+  float s = 0.0f;
+  for (int v = tid; v < k / 8; v += 128) {
+    const uint4 u = *reinterpret_cast<const uint4*>(row + 8 * v);
+    const T* e = reinterpret_cast<const T*>(&u);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const float f = to_float(e[i]);
+      s = fmaf(f, f, s);
+    }
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, o));
+  return s;
+}
+__device__ __forceinline__ float rms_scale(const float* warp_sums, int k, float eps) {
+  const float s = __fadd_rn(__fadd_rn(__fadd_rn(warp_sums[0], warp_sums[1]), warp_sums[2]),
+                            warp_sums[3]);
+  return rsqrtf(__fadd_rn(__fdiv_rn(s, static_cast<float>(k)), eps));
+}
+
+// r of every row for the tiled and split shapes: a block of 128 threads a row.
+template <typename T>
+__global__ void __launch_bounds__(128) gemm_row_scale_kernel(const T* x, int k, float eps,
+                                                             float* row_scale) {
+  __shared__ float sums[4];
+  launch_dependents();
+  grid_dependency_wait();
+  const float s = row_sq_sum(x + static_cast<std::int64_t>(blockIdx.x) * k, k, threadIdx.x);
+  if (threadIdx.x % 32 == 0) sums[threadIdx.x / 32] = s;
+  __syncthreads();
+  if (threadIdx.x == 0) row_scale[blockIdx.x] = rms_scale(sums, k, eps);
+}
+
+// A row's scale in the stores: 1 (exact, so no change) without the norm.
+__device__ __forceinline__ float row_scale_of(const Params& p, int m) {
+  return p.row_scale != nullptr ? p.row_scale[m] : 1.0f;
+}
 
 // The tiled shape on wgmma with TMA loads: the kernel's parameters and the
 // tensor maps over x ([M, K], boxes of 64 x MT) and w ([N_w, K], boxes of
@@ -544,9 +599,12 @@ __device__ __forceinline__ void gemm_tiled(const Params& p, const CUtensorMap* x
         for (int h = 0; h < 2; ++h) {
           const int m = m0 + acc_row<MT, kWg, NT>(i, 2 * h);
           if (m >= p.m) continue;
+          const float r = row_scale_of(p, m);
           *reinterpret_cast<std::uint32_t*>(y + static_cast<std::int64_t>(m) * p.n + n) =
-              pack2(silu_out<T>(total[i][j][2 * h], total[i][j + 1][2 * h]),
-                    silu_out<T>(total[i][j][2 * h + 1], total[i][j + 1][2 * h + 1]));
+              pack2(silu_out<T>(__fmul_rn(total[i][j][2 * h], r),
+                                __fmul_rn(total[i][j + 1][2 * h], r)),
+                    silu_out<T>(__fmul_rn(total[i][j][2 * h + 1], r),
+                                __fmul_rn(total[i][j + 1][2 * h + 1], r)));
         }
       }
     return;
@@ -563,7 +621,8 @@ __device__ __forceinline__ void gemm_tiled(const Params& p, const CUtensorMap* x
         const int m = m0 + acc_row<MT, kWg, NT>(i, 2 * h);
         if (m >= p.m) continue;
         const std::int64_t off = static_cast<std::int64_t>(m) * p.n + n;
-        const float lo = total[i][j][2 * h], hi = total[i][j][2 * h + 1];
+        const float r = row_scale_of(p, m);
+        const float lo = __fmul_rn(total[i][j][2 * h], r), hi = __fmul_rn(total[i][j][2 * h + 1], r);
         *reinterpret_cast<std::uint32_t*>(y + off) =
             res == nullptr
                 ? out2<T>(lo, hi)
@@ -588,7 +647,8 @@ __global__ void __launch_bounds__(kThreads, MT == 128 ? 1 : 2)
 // total += p_1, ..., rounded once (and added to the residual, if any, as
 // out2 does; or with silu, the gate and up columns folded alike and
 // combined). Four columns per thread (N % 8 == 0).
-__device__ __forceinline__ float4 fold4(const Params& p, std::int64_t off, std::int64_t plane) {
+__device__ __forceinline__ float4 fold4(const Params& p, std::int64_t off, std::int64_t plane,
+                                        float r) {
   float4 t = __ldcg(reinterpret_cast<const float4*>(p.partial + off));
 #pragma unroll 4
   for (int s = 1; s < p.chunks; ++s) {
@@ -598,7 +658,7 @@ __device__ __forceinline__ float4 fold4(const Params& p, std::int64_t off, std::
     t.z = __fadd_rn(t.z, u.z);
     t.w = __fadd_rn(t.w, u.w);
   }
-  return t;
+  return make_float4(__fmul_rn(t.x, r), __fmul_rn(t.y, r), __fmul_rn(t.z, r), __fmul_rn(t.w, r));
 }
 
 template <typename T, int MT>
@@ -613,10 +673,11 @@ __device__ __forceinline__ void fold_partials(const Params& p, int m_tile, int n
     if (n >= p.n) continue;
     const int m = m0 + i / quads;
     const std::int64_t off = static_cast<std::int64_t>(m) * p.n_w + n;  // in the partials
-    const float4 t = fold4(p, off, plane);
+    const float r = row_scale_of(p, m);
+    const float4 t = fold4(p, off, plane, r);
     uint2 out;
     if (p.inter != 0) {
-      const float4 u = fold4(p, off + p.inter, plane);  // the up columns
+      const float4 u = fold4(p, off + p.inter, plane, r);  // the up columns
       out.x = pack2(silu_out<T>(t.x, u.x), silu_out<T>(t.y, u.y));
       out.y = pack2(silu_out<T>(t.z, u.z), silu_out<T>(t.w, u.w));
       *reinterpret_cast<uint2*>(static_cast<T*>(p.y) + static_cast<std::int64_t>(m) * p.n + n) =
@@ -722,11 +783,12 @@ static_assert(kChunk % kGemvQuarter == 0 && kGemvQuarter % kBK == 0, "quarters a
 // other shapes zero-fill x), 16 bytes more than a multiple of 128.
 __host__ __device__ __forceinline__ int gemv_x_pitch(int k) { return (k + kBK - 1) / kBK * kBK * 2 + 16; }
 
-// The gemv shape's dynamic shared memory: the ring, x's rows, the chunk sums.
+// The gemv shape's dynamic shared memory: the ring, x's rows, the chunk sums,
+// the folded norm's four warp sums a row.
 __host__ __device__ __forceinline__ int gemv_smem_bytes(int warps, int tiles, int m, int k,
                                                         int chunks) {
   return kGemvRingStages * warps * kGemvWarpStageBytes + m * gemv_x_pitch(k) +
-         tiles * chunks * m * 8 * static_cast<int>(sizeof(float));
+         (tiles * chunks * 8 + 4) * m * static_cast<int>(sizeof(float));
 }
 
 template <typename T, int kWarps, int kTiles>
@@ -748,6 +810,7 @@ __global__ void __launch_bounds__(kWarps * 32) gemm_gemv_kernel(const Params p) 
   const std::uint32_t ring = static_cast<std::uint32_t>(__cvta_generic_to_shared(smem));
   unsigned char* xs = smem + kGemvRingStages * kStageBytes;
   float* sums = reinterpret_cast<float*>(xs + p.m * x_pitch);  // [items][m][8]
+  float* norm_sums = sums + tiles * p.chunks * p.m * 8;         // [m][4]
 
   // Weight row r (0..7) of block tile t.
   const auto* w = static_cast<const std::uint16_t*>(p.w);
@@ -790,6 +853,14 @@ __global__ void __launch_bounds__(kWarps * 32) gemm_gemv_kernel(const Params p) 
     cp_async_commit();
     cp_async_wait<0>();
     __syncthreads();
+  }
+  // The folded norm: the rows' sums of squares from x's copy, in row_sq_sum's
+  // order (the first 128 threads), read back after the stages' last barrier.
+  if (p.norm_eps > 0.0f && threadIdx.x < 128) {
+    for (int m = 0; m < p.m; ++m) {
+      const float s = row_sq_sum(reinterpret_cast<const T*>(xs + m * x_pitch), p.k, threadIdx.x);
+      if (lane == 0) norm_sums[m * 4 + warp] = s;
+    }
   }
 
   const int g = lane / 4, t = lane % 4;
@@ -858,7 +929,8 @@ __global__ void __launch_bounds__(kWarps * 32) gemm_gemv_kernel(const Params p) 
     const float* c = sums + (static_cast<std::int64_t>(tl) * p.chunks * p.m + m) * 8 + r;
     float total = c[0];
     for (int ch = 1; ch < p.chunks; ++ch) total = __fadd_rn(total, c[ch * p.m * 8]);
-    return total;
+    return p.norm_eps > 0.0f ? __fmul_rn(total, rms_scale(norm_sums + m * 4, p.k, p.norm_eps))
+                             : total;
   };
   for (int i = threadIdx.x; i < tiles * cols * p.m; i += kThreads) {
     const int tl = i / (cols * p.m), col = i / p.m % cols, m = i % p.m;
@@ -886,10 +958,15 @@ void launch_gemv_shape(const Params& p, cudaStream_t stream) {
 }
 
 // Long rows (the down projection's K = 14336) take 8 warps and two tiles a
-// block, as the default GEMV takes 8 warps there.
+// block, as the default GEMV takes 8 warps there. Grids of many waves (at
+// one tile a block: ten blocks an SM or more; gate/up and the LM head) take
+// two tiles a block: half the blocks, so half the x copies and block starts
+// (H100, deterministic decode step: gate/up 82.8 -> 80.0 µs, the LM head
+// 347 -> 337; qkv and o, about a wave, lost 5-8 µs each with two).
 template <typename T>
 void dispatch_gemv_shape(const Params& p, cudaStream_t stream) {
   if (p.k > 8192) return launch_gemv_shape<T, 8, 2>(p, stream);
+  if (p.n_w / 8 >= 10 * sm_count()) return launch_gemv_shape<T, 4, 2>(p, stream);
   launch_gemv_shape<T, 4, 1>(p, stream);
 }
 
@@ -975,9 +1052,10 @@ bool resolve_split(std::int64_t rows, GemmInvariantPath path) {
   return path == GemmInvariantPath::kSplit;
 }
 
-// The gemv shape's block for K: (warps, tiles).
+// The gemv shape's largest block for K: (warps, tiles) (dispatch_gemv_shape
+// takes one tile instead of two for grids of few waves).
 std::pair<int, int> gemv_block(std::int64_t k_in) {
-  return k_in > 8192 ? std::pair<int, int>{8, 2} : std::pair<int, int>{4, 1};
+  return k_in > 8192 ? std::pair<int, int>{8, 2} : std::pair<int, int>{4, 2};
 }
 
 void check_shape(std::int64_t rows, std::int64_t n_out, std::int64_t k_in) {
@@ -1024,7 +1102,7 @@ void gemm_invariant(std::uintptr_t y, std::uintptr_t x, std::uintptr_t w, std::i
                     std::int64_t n_out, std::int64_t k_in, DType dtype, std::uintptr_t workspace,
                     std::int64_t workspace_bytes, std::uintptr_t stream,
                     GemmInvariantPath path, std::uintptr_t counters, std::uintptr_t residual,
-                    bool silu_mul) {
+                    bool silu_mul, float norm_eps, std::uintptr_t row_scale) {
   require(dtype == DType::kF16 || dtype == DType::kBF16,
           "gemm_invariant: dtype must be float16 or bfloat16");
   check_shape(rows, n_out, k_in);
@@ -1044,6 +1122,11 @@ void gemm_invariant(std::uintptr_t y, std::uintptr_t x, std::uintptr_t w, std::i
   require(residual % 16 == 0, "gemm_invariant: residual must be 16-byte aligned");
   require(!silu_mul || (n_out % 16 == 0 && residual == 0),
           "gemm_invariant: silu_mul needs N a multiple of 16 and no residual");
+  require(norm_eps >= 0.0f, "gemm_invariant: norm_eps must be >= 0");
+  require(norm_eps == 0.0f || path == GemmInvariantPath::kGemv ||
+              (row_scale != 0 && row_scale % 4 == 0),
+          "gemm_invariant: the folded norm needs a float32 row_scale buffer of `rows` "
+          "entries outside the gemv shape");
   Params p{};
   p.y = reinterpret_cast<void*>(y);
   p.residual = reinterpret_cast<const void*>(residual);
@@ -1059,6 +1142,7 @@ void gemm_invariant(std::uintptr_t y, std::uintptr_t x, std::uintptr_t w, std::i
   p.n_tiles = ceil_div(n_out, kNT);  // with silu: ceil(N / 64) blocks of 64 columns, the same
   p.k_tiles = ceil_div(k_in, kBK);
   p.chunks = ceil_div(k_in, kChunk);
+  p.norm_eps = norm_eps;
   const std::int64_t m_tiles = ceil_div(rows, block_rows(rows));
   if (split) {
     require(p.n_tiles <= 65535 && m_tiles <= 65535, "gemm_invariant: too many tiles to split");
@@ -1068,6 +1152,19 @@ void gemm_invariant(std::uintptr_t y, std::uintptr_t x, std::uintptr_t w, std::i
   if (path == GemmInvariantPath::kGemv) {
     if (dtype == DType::kF16) return dispatch_gemv_shape<__half>(p, as_stream(stream));
     return dispatch_gemv_shape<__nv_bfloat16>(p, as_stream(stream));
+  }
+  if (norm_eps > 0.0f) {
+    auto* scales = reinterpret_cast<float*>(row_scale);
+    if (dtype == DType::kF16) {
+      launch_kernel(true, gemm_row_scale_kernel<__half>, dim3(p.m), 128, 0, as_stream(stream),
+                    "gemm_row_scale_kernel", static_cast<const __half*>(p.x), p.k, norm_eps,
+                    scales);
+    } else {
+      launch_kernel(true, gemm_row_scale_kernel<__nv_bfloat16>, dim3(p.m), 128, 0,
+                    as_stream(stream), "gemm_row_scale_kernel",
+                    static_cast<const __nv_bfloat16*>(p.x), p.k, norm_eps, scales);
+    }
+    p.row_scale = scales;
   }
   if (dtype == DType::kF16) {
     dispatch_rows<__half>(p, split, as_stream(stream));

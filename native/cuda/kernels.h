@@ -130,6 +130,11 @@ void gemv_qkv_rope(std::uintptr_t q_out, std::uintptr_t x, std::uintptr_t w, std
 // With silu_mul, w's n_out rows (a multiple of 16) are the gate rows over
 // the up rows and y is [rows, n_out / 2] = silu_mul(gate, up), bit for bit
 // the plain launch followed by silu_mul (no residual then).
+// With norm_eps > 0 (the folded RMSNorm: w's columns already multiplied by
+// the norm weight) every row's totals are multiplied by rsqrt(mean(x^2) +
+// eps) before the store, its sum of squares in one fixed order: the gemv
+// shape computes it from its copy of x; the others need `row_scale`, a
+// float32 buffer of `rows` entries that a kernel launched first fills.
 // Both shapes launch as programmatic dependents (as the GEMV, where
 // programmatic_launch() is on): the first k tiles' weights load while the
 // previous kernel finishes; x, the residual, the workspace and the counters
@@ -166,7 +171,7 @@ void gemm_invariant(std::uintptr_t y, std::uintptr_t x, std::uintptr_t w, std::i
                     std::int64_t workspace_bytes, std::uintptr_t stream,
                     GemmInvariantPath path = GemmInvariantPath::kAuto,
                     std::uintptr_t counters = 0, std::uintptr_t residual = 0,
-                    bool silu_mul = false);
+                    bool silu_mul = false, float norm_eps = 0.0f, std::uintptr_t row_scale = 0);
 
 // Per-row FP8 (E4M3) quantization of x [rows, hidden] (rows x_stride elements
 // apart, 16-byte aligned; hidden a multiple of 8), after rms_norm(x,

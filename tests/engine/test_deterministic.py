@@ -68,3 +68,31 @@ def test_a_turn_after_eviction_equals_the_resident_turn(kv_dtype):
 def test_deterministic_mode_refuses_tensor_parallelism():
     with pytest.raises(ValueError, match="one device"):
         Engine(EngineConfig(model=demo_model_dir(), deterministic=True, tensor_parallel=2))
+
+
+def test_norms_fold_into_the_projections_that_read_them():
+    """Deterministic mode folds each RMSNorm's weight into the projection
+    after it (qkv, gate/up, LM head) and applies the row's rsqrt(mean(x^2) +
+    eps) to the product: within rounding of the norm then the projection; a
+    tied embedding keeps its own values."""
+    import torch
+    from turbomq.worker.model.ops import reference as ref
+    from turbomq.worker.model.ops.invariant import NormFolded, fold_norm
+
+    model = engine(deterministic=True).runner.model
+    plain = engine().runner.model
+    layer, base = model.layers[0], plain.layers[0]
+    for name, norm in (("qkv", "attn_norm"), ("gate_up", "mlp_norm")):
+        assert isinstance(layer[name], NormFolded)
+        want = (base[name].float() * base[norm].float()[None, :]).to(base[name].dtype)
+        assert torch.equal(layer[name].weight, want)
+    assert isinstance(model.lm_head, NormFolded) and torch.equal(model.embed, plain.embed)
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 64, generator=gen) * 5
+    w = torch.randn(32, 64, generator=gen) * 0.1
+    g = torch.rand(64, generator=gen) + 0.5
+    ops = InvariantOps(ref)
+    got = ops.linear(x, fold_norm(w, g), norm=(g, 1e-5))
+    want = ref.linear(ref.rms_norm(x, g, 1e-5), w)
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-4)

@@ -143,9 +143,11 @@ def test_gemv_shape_agrees(dtype, rows, mode, gen):
     chunk sums folded in the block) gives the tiled shape's bits, for the
     plain store, the fused residual add and silu_mul; K of two blocks' kinds
     (up to 8192 and the down projection's 14336), and K not a multiple of
-    the chunk nor of a 64-wide k tile."""
-    shapes = {"silu": [(2 * 768, 4096), (2 * 264, 1032), (2 * 512, 14336)],
-              "plain": [(1536, 4096), (4096, 14336), (136, 200), (64, 1032)],
+    the chunk nor of a 64-wide k tile; grids of one tile a block and of two
+    (ten blocks an SM or more: an odd tile count leaves the last block one)."""
+    shapes = {"silu": [(2 * 768, 4096), (2 * 264, 1032), (2 * 512, 14336), (2 * 7168, 4096)],
+              "plain": [(1536, 4096), (4096, 14336), (136, 200), (64, 1032), (10568, 200),
+                        (12288, 4096)],
               "residual": [(1536, 4096), (4096, 14336), (136, 200)]}[mode]
     for n, k in shapes:
         if not cuda_ops._k.gemm_invariant_gemv_fits(rows, k):
@@ -423,3 +425,69 @@ def test_invariant_ops_linear_fuses_silu_mul(gen):
     want = cuda_ops.silu_mul(cuda_ops.linear_invariant(cuda_ops.rms_norm(x, *norm), w))
     got = ops.linear(x, w, norm=norm, silu=True)
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 3, 16, 64, 65, 200])
+@pytest.mark.parametrize("mode", ["plain", "silu"])
+def test_folded_norm_agrees_across_shapes(dtype, rows, mode, gen):
+    """The folded norm (each row's totals times rsqrt(mean(x^2) + eps), its
+    sum of squares in one order): the gemv shape computes it from its copy of
+    x, the split and tiled shapes take it from gemm_row_scale_kernel, and all
+    give the same bits; within tolerance of the reference."""
+    silu = mode == "silu"
+    for n, k in ([(2 * 768, 4096), (2 * 264, 1032), (2 * 7168, 4096)] if silu
+                 else [(1536, 4096), (136, 200), (4096, 14336), (10568, 1032)]):
+        x = randn((rows, k), dtype, gen) * 3.0
+        w = randn((n, k), dtype, gen, 0.05)
+        want = cuda_ops.linear_invariant(x, w, silu=silu, path="tiled", norm_eps=1e-5)
+        expect = ref.linear_invariant(x, w, norm_eps=1e-5)
+        expect = cuda_ops.silu_mul(expect) if silu else expect
+        assert rel_err(want, expect) < TOL[dtype], f"tiled vs reference, N {n}, K {k}"
+        for path, fused in (("split", True), ("split", False), ("gemv", True)):
+            if path == "gemv" and not cuda_ops._k.gemm_invariant_gemv_fits(rows, k):
+                continue
+            got = cuda_ops.linear_invariant(x, w, silu=silu, path=path, fused_fold=fused,
+                                            out=poisoned(want.shape, dtype), norm_eps=1e-5)
+            assert_rows_equal(got, want, f"{path} (fused fold {fused}) vs tiled, N {n}, K {k}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_folded_norm_batch_invariant(dtype, gen):
+    """A row's folded-norm projection is the same alone (the gemv shape), in
+    a decode batch (split) and in a prefill (tiled), and in a CUDA graph."""
+    total, n, k = 1024, 1536, 4096
+    x = randn((total, k), dtype, gen)
+    w = randn((n, k), dtype, gen, 0.05)
+    full = cuda_ops.linear_invariant(x, w, norm_eps=1e-6)
+    perm = torch.randperm(total, generator=gen, device=DEV)
+    for rows in (1, 2, 7, 64, 65, 300):
+        idx = perm[:rows]
+        assert_rows_equal(cuda_ops.linear_invariant(x[idx], w, norm_eps=1e-6), full[idx],
+                          f"{rows} gathered rows")
+    xs = x[:8].clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = cuda_ops.linear_invariant(xs, w, norm_eps=1e-6)
+    graph.replay()
+    assert_rows_equal(y, full[:8], "graph replay")
+
+
+def test_invariant_ops_linear_runs_the_folded_norm(gen):
+    """InvariantOps.linear on a NormFolded weight: the GEMM with the folded
+    norm, within tolerance of rms_norm then the unfolded projection."""
+    from turbomq.worker.model.ops.invariant import InvariantOps, fold_norm
+
+    ops = InvariantOps(cuda_ops)
+    dtype, k, inter = torch.bfloat16, 4096, 1024
+    w = randn((2 * inter, k), dtype, gen, 0.02)
+    g = randn((k,), dtype, gen, 0.3) + 1.0
+    folded = fold_norm(w, g)
+    for rows in (1, 5, 300):
+        x = randn((rows, k), dtype, gen) * 4.0
+        got = ops.linear(x, folded, norm=(g, 1e-5), silu=True)
+        want = cuda_ops.silu_mul(cuda_ops.linear_invariant(cuda_ops.rms_norm(x, g, 1e-5), w))
+        assert rel_err(got, want) < 2 * TOL[dtype], f"{rows} rows"
+        one = ops.linear(x[:1], folded, norm=(g, 1e-5), silu=True)
+        assert_rows_equal(got[:1], one, f"first of {rows} rows vs alone")
+

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 from .kv_cache import PagedKVCache
 from .ops import AttentionBatch, ops_for
 from .ops.fp8 import FP8, QUANTIZED, Fp8Weight, quantize_weight
-from .ops.invariant import InvariantOps
+from .ops.invariant import InvariantOps, fold_norm
 from .rotary import cos_sin_table
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
@@ -95,6 +95,11 @@ class LlamaModel:
         self.lm_head = take("lm_head.weight")
         if quantization == "fp8-lm-head":  # batch-1 decode reads it every step
             self.lm_head = quantize_weight(self.lm_head)
+        if deterministic:  # each norm into the projection that reads it (ops/invariant.py)
+            for layer in self.layers:
+                layer["qkv"] = fold_norm(layer["qkv"], layer["attn_norm"])
+                layer["gate_up"] = fold_norm(layer["gate_up"], layer["mlp_norm"])
+            self.lm_head = fold_norm(self.lm_head, self.norm)
         self.cos_sin = cos_sin_table(config, config.max_position_embeddings, self.device)
         self.scale = config.head_dim ** -0.5
 

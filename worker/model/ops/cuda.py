@@ -852,7 +852,7 @@ def _invariant_path(path: Optional[str], rows: int, n_out: int, k_in: int,
 def linear_invariant(x: torch.Tensor, weight: torch.Tensor, *,
                      out: Optional[torch.Tensor] = None, path: Optional[str] = None,
                      fused_fold: bool = True, residual: Optional[torch.Tensor] = None,
-                     silu: bool = False) -> torch.Tensor:
+                     silu: bool = False, norm_eps: Optional[float] = None) -> torch.Tensor:
     """As reference.linear_invariant (x @ weight.T, K summed in fixed chunks
     in a fixed order), batch-invariant bit for bit. `path` forces the launch
     shape ("split", "tiled" or "gemv"; all give the same bits); `fused_fold=False`
@@ -872,7 +872,13 @@ def linear_invariant(x: torch.Tensor, weight: torch.Tensor, *,
     With `silu`, weight stacks the gate rows over the up rows ([2I, K]) and
     the result is silu_mul(linear_invariant(x, weight)) ([..., I]) bit for
     bit, computed in the kernel's store when 2I is a multiple of 16 (else by
-    the separate silu_mul). It excludes `residual`."""
+    the separate silu_mul). It excludes `residual`.
+
+    With `norm_eps`, the folded RMSNorm as reference.linear_invariant has it
+    (weight's columns already multiplied by the norm weight): every shape
+    scales a row's totals by rsqrt(mean(x^2) + eps) in its store, the sum of
+    squares in one fixed order; the gemv shape computes it from its own copy
+    of x, the others take it from a small kernel launched first."""
     if residual is not None and out is not None:
         raise ValueError("linear_invariant: pass out or residual, not both")
     if silu and residual is not None:
@@ -882,20 +888,22 @@ def linear_invariant(x: torch.Tensor, weight: torch.Tensor, *,
     if not (_native_ok(x, weight) and x.dtype in _HALF and weight.dtype == x.dtype
             and weight.dim() == 2 and weight.shape[1] == k_in and k_in % 8 == 0 and k_in > 0
             and n_out % 8 == 0 and n_out > 0 and weight.is_contiguous()
-            and weight.data_ptr() % 16 == 0):
+            and weight.data_ptr() % 16 == 0 and (norm_eps is None or norm_eps > 0)):
         if silu:
-            y = silu_mul(reference.linear_invariant(x, weight))
+            y = silu_mul(reference.linear_invariant(x, weight, norm_eps=norm_eps))
             return y if out is None else out.copy_(y)
-        return reference.linear_invariant(x, weight, residual=residual)
+        return reference.linear_invariant(x, weight, residual=residual, norm_eps=norm_eps)
     if silu and n_out % 16 != 0:
-        y = silu_mul(linear_invariant(x, weight, path=path, fused_fold=fused_fold))
+        y = silu_mul(linear_invariant(x, weight, path=path, fused_fold=fused_fold,
+                                      norm_eps=norm_eps))
         return y if out is None else out.copy_(y)
     rows = x.numel() // k_in
     shape = (*x.shape[:-1], n_out // 2 if silu else n_out)
     if residual is not None and not (residual.dtype == x.dtype and residual.shape == shape
                                      and residual.is_contiguous()
                                      and residual.data_ptr() % 16 == 0):
-        return residual.add_(linear_invariant(x, weight, path=path, fused_fold=fused_fold))
+        return residual.add_(linear_invariant(x, weight, path=path, fused_fold=fused_fold,
+                                              norm_eps=norm_eps))
     if rows == 0:
         return residual if residual is not None else torch.empty(shape, dtype=x.dtype,
                                                                  device=x.device)
@@ -912,12 +920,18 @@ def linear_invariant(x: torch.Tensor, weight: torch.Tensor, *,
     counters = None
     if nbytes and fused_fold:
         counters = _counters(x.device, _k.gemm_invariant_counters(rows, n_out, kind))
+    scales = None  # the folded norm's row scales, outside the gemv shape
+    if norm_eps is not None and kind != _k.GemmInvariantPath.GEMV:
+        scales = torch.empty(rows, dtype=torch.float32, device=x.device)
     with _on_device(x):
         _k.gemm_invariant(y.data_ptr(), x2.data_ptr(), weight.data_ptr(), rows, n_out, k_in,
                           _DTYPES[x.dtype], 0 if ws is None else ws.data_ptr(), nbytes,
                           _stream(x), kind, 0 if counters is None else counters.data_ptr(),
-                          0 if residual is None else residual.data_ptr(), silu)
+                          0 if residual is None else residual.data_ptr(), silu,
+                          0.0 if norm_eps is None else float(norm_eps),
+                          0 if scales is None else scales.data_ptr())
     if out is not None and y is not out:
         out.copy_(y)
         return out
     return y
+

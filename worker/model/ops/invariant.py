@@ -4,11 +4,15 @@ of the other rows in the step, of how many there are, and of whether its
 token is computed in a prefill chunk or a decode step.
 
 - linear: the batch-invariant GEMM (K in fixed chunks summed in a fixed
-  order; the same sums for one row or thousands), with the norm as a
-  separate row-wise kernel before it and silu_mul or the residual add in
-  the GEMM's store (on CUDA; bit for bit the separate kernel): the fused decode
-  GEMVs reduce in another order than the GEMM, so a token would come out
-  differently decoded than prefilled;
+  order; the same sums for one row or thousands), with silu_mul or the
+  residual add in the GEMM's store (on CUDA; bit for bit the separate
+  kernel): the fused decode GEMVs reduce in another order than the GEMM, so
+  a token would come out differently decoded than prefilled. The norm in
+  front of a projection is folded (fold_norm): the norm weight multiplied
+  into the projection's columns at load, and the row's rsqrt(mean(x^2) +
+  eps) applied to its totals in the GEMM's store, its sum of squares in one
+  fixed order (gemm_invariant.cu): no norm launch at decode. A projection
+  whose weight is not folded takes the norm as a separate kernel;
 - attention: the paged-attention kernel with a fixed split-K partition of
   PARTITION_KEYS keys, always combined (also when one partition would do:
   the combine normalizes a partition's output again). Partition boundaries
@@ -24,6 +28,7 @@ On the CPU the same structure runs on the reference ops."""
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Optional
 
@@ -42,6 +47,23 @@ from .layer_kv import LayerKV
 PARTITION_KEYS = int(os.environ.get("TURBOMQ_DETERMINISTIC_PARTITION", "64"))
 
 
+@dataclass(frozen=True)
+class NormFolded:
+    """A projection's weight with the RMSNorm weight in front of it folded
+    in: weight[n, k] * norm_weight[k], rounded once to the dtype."""
+    weight: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.weight.shape
+
+
+def fold_norm(weight: torch.Tensor, norm_weight: torch.Tensor) -> NormFolded:
+    """The folded weight (a new tensor: a tied embedding stays as it is)."""
+    folded = weight.float() * norm_weight.float()[None, :]
+    return NormFolded(folded.to(weight.dtype).contiguous())
+
+
 class InvariantOps:
     """The model's ops on `base` (the cuda or reference module), batch-invariant."""
 
@@ -53,13 +75,18 @@ class InvariantOps:
                norm: Optional[tuple[torch.Tensor, float]] = None, silu: bool = False,
                residual: Optional[torch.Tensor] = None) -> torch.Tensor:
         b = self.base
-        if norm is not None:
+        eps = None
+        if isinstance(weight, NormFolded):
+            if norm is None:
+                raise ValueError("a norm-folded weight needs the norm's eps")
+            weight, eps = weight.weight, norm[1]
+        elif norm is not None:
             x = b.rms_norm(x, norm[0], norm[1])
         if self.native and not (silu and residual is not None):
             # silu_mul or the residual add in the GEMM's store: the same bits
             # as the separate kernel after it.
-            return b.linear_invariant(x, weight, residual=residual, silu=silu)
-        y = b.linear_invariant(x, weight)
+            return b.linear_invariant(x, weight, residual=residual, silu=silu, norm_eps=eps)
+        y = b.linear_invariant(x, weight, norm_eps=eps)
         if silu:
             y = b.silu_mul(y)
         if residual is not None:

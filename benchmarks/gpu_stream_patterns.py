@@ -14,7 +14,12 @@ one of the engine's decode projections and in a row-contiguous variant of it:
   steps a lane); fp8_rows: the same blocks, tiles and ring, a warp's step
   1 row x 1 KiB; fp8_stage: the same blocks and tiles, the block copying
   its weights with cp.async in stages of 8 rows x 2 KiB (the FP8 GEMV's
-  current way), also at three blocks an SM (x3) and a tile a block (t1).
+  current way), also at three blocks an SM (x3) and a tile a block (t1);
+- gemv_q: the batch-invariant GEMM's gemv shape (a block of 4 warps per 8
+  rows, a 4-deep ring of 8 KiB stages, about 41 KiB of shared memory so
+  five blocks an SM): a stage is a quarter (256 bytes) of each of 4 warps'
+  1 KiB chunks of every row, 1 KiB apart; gemv_c: the same blocks and
+  stages, a stage 1 KiB contiguous of every row (the 16-bit GEMV's order).
 
 gate/up's bytes for every order (16-bit and FP8), and down, qkv and o for
 the FP8 ones.
@@ -186,6 +191,42 @@ __global__ void __launch_bounds__(256) fp8_stage(const uint8_t* w, int tiles, in
   if (acc == 0x12345678u) out[blockIdx.x] = acc;
 }
 
+// gemv_q / gemv_c (kContig): the gemv shape's block over 8 rows.
+template <bool kContig>
+__global__ void __launch_bounds__(128) gemv_shape(const uint8_t* w, int row_bytes, unsigned* out) {
+  extern __shared__ __align__(128) uint8_t smem[];
+  const uint8_t* tb = w + static_cast<int64_t>(blockIdx.x) * 8 * row_bytes;
+  const int stages = row_bytes / 1024;
+  auto issue = [&](int s) {
+    if (s < stages) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int i = threadIdx.x + 128 * j;
+        int64_t off;
+        if (kContig) {
+          off = static_cast<int64_t>(i / 64) * row_bytes + 1024 * s + 16 * (i % 64);
+        } else {  // warp j's chunk 4 (s / 4) + j, quarter s % 4; row (i % 128) / 16
+          off = static_cast<int64_t>(i % 128 / 16) * row_bytes + 1024 * (4 * (s / 4) + j) +
+                256 * (s % 4) + 16 * (i % 16);
+        }
+        cp_async16(smem + (s % 4) * 8192 + 16 * i, tb + off);
+      }
+    }
+    asm volatile("cp.async.commit_group;");
+  };
+  for (int s = 0; s < 3; ++s) issue(s);
+  unsigned acc = 0;
+  for (int s = 0; s < stages; ++s) {
+    asm volatile("cp.async.wait_group 2;");
+    __syncthreads();
+    issue(s + 3);
+    const uint4* st = reinterpret_cast<const uint4*>(smem + (s % 4) * 8192);
+#pragma unroll
+    for (int q = 0; q < 4; ++q) acc ^= mix(st[threadIdx.x + 128 * q]);
+  }
+  if (acc == 0x12345678u) out[blockIdx.x] = acc;
+}
+
 void run(const std::string& kind, torch::Tensor w, int64_t offset, int64_t rows, int64_t row_bytes,
          torch::Tensor out, int64_t sms) {
   auto s = c10::cuda::getCurrentCUDAStream();
@@ -202,6 +243,10 @@ void run(const std::string& kind, torch::Tensor w, int64_t offset, int64_t rows,
     const int blocks = kind == "fp8_stage" ? 2 * sms : kind == "fp8_stage_x3" ? 3 * sms : rows / 8;
     cudaFuncSetAttribute(fp8_stage, cudaFuncAttributeMaxDynamicSharedMemorySize, 65536);
     fp8_stage<<<blocks, 256, 65536, s>>>(p, rows / 8, row_bytes, o);
+  } else if (kind == "gemv_q" || kind == "gemv_c") {
+    auto k = kind == "gemv_c" ? gemv_shape<true> : gemv_shape<false>;
+    cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, 41 * 1024);
+    k<<<rows / 8, 128, 41 * 1024, s>>>(p, row_bytes, o);
   } else {
     auto k = kind == "fp8" ? fp8<false> : fp8<true>;
     k<<<2 * sms, 256, 0, s>>>(p, rows / 8, row_bytes, o);
@@ -218,7 +263,9 @@ CASES = [("gemv16", 28672, 8192), ("split", 28672, 8192), ("split_rows", 28672, 
          ("fp8_stage", 28672, 4096), ("fp8_stage_x3", 28672, 4096),
          ("fp8_stage_t1", 28672, 4096), ("fp8_stage", 4096, 14336), ("fp8_stage_x3", 4096, 14336),
          ("fp8", 4096, 14336), ("fp8_stage", 6144, 4096), ("fp8", 6144, 4096),
-         ("fp8_stage", 4096, 4096), ("fp8", 4096, 4096)]
+         ("fp8_stage", 4096, 4096), ("fp8", 4096, 4096),
+         ("gemv_q", 28672, 8192), ("gemv_c", 28672, 8192), ("gemv_q", 6144, 8192),
+         ("gemv_c", 6144, 8192), ("gemv_q", 4096, 8192), ("gemv_c", 4096, 8192)]
 
 
 def main() -> None:

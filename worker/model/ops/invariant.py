@@ -37,14 +37,15 @@ import torch
 from .attention_batch import AttentionBatch
 from .layer_kv import LayerKV
 
-# Keys per split-K partition of attention: 64, so that a short context still
-# spreads over many blocks at batch 1 (H100, Llama-3-8B shape: batch-1
-# decode 0.975x of the default at 64, 0.963x at 128, 0.950x at 256; offline
-# 0.80x, 0.82x, 0.84x: more partials to write and combine). A long prefill's
-# partials are bounded by launching over its tiles in turn (cuda.py).
-# TURBOMQ_DETERMINISTIC_PARTITION overrides (a multiple of 64; tokens then
-# differ from those of another size).
-PARTITION_KEYS = int(os.environ.get("TURBOMQ_DETERMINISTIC_PARTITION", "64"))
+# Keys per split-K partition of attention: 128. Fewer keys spread a short
+# context over more blocks at batch 1, more keys write and combine fewer
+# partials in a full batch (H100, Llama-3-8B shape, one call: batch-1
+# decode 0.925x of the default at 64, 0.913x at 128, 0.901x at 256; offline
+# 0.746x, 0.821x, 0.837x). A long prefill's partials are bounded by
+# launching over its tiles in turn (cuda.py). TURBOMQ_DETERMINISTIC_PARTITION
+# overrides (a multiple of 64; tokens then differ from those of another
+# size, so every worker must use the same).
+PARTITION_KEYS = int(os.environ.get("TURBOMQ_DETERMINISTIC_PARTITION", "128"))
 
 
 @dataclass(frozen=True)

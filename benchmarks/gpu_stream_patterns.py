@@ -157,6 +157,29 @@ __global__ void __launch_bounds__(256) fp8(const uint8_t* w, int tiles, int row_
   if (acc == 0x12345678u) out[blockIdx.x] = acc;
 }
 
+// The consuming side of a 4-deep cp.async ring of `stages` stages of
+// kSlotBytes: three stages in flight; `issue(s)` copies stage s (one commit
+// group). kIssueFirst: the next copy right after the stage's barrier (its
+// slot's stage was read before it), else after a second barrier.
+template <int kThreads, int kSlotBytes, bool kIssueFirst, typename Issue>
+__device__ __forceinline__ unsigned read_ring(const uint8_t* smem, int stages, Issue issue) {
+  for (int s = 0; s < 3; ++s) issue(s);
+  unsigned acc = 0;
+  for (int s = 0; s < stages; ++s) {
+    asm volatile("cp.async.wait_group 2;");
+    __syncthreads();
+    if (kIssueFirst) issue(s + 3);
+    const uint4* st = reinterpret_cast<const uint4*>(smem + (s % 4) * kSlotBytes);
+#pragma unroll
+    for (int q = 0; q < kSlotBytes / 16 / kThreads; ++q) acc ^= mix(st[threadIdx.x + kThreads * q]);
+    if (!kIssueFirst) {
+      __syncthreads();
+      issue(s + 3);
+    }
+  }
+  return acc;
+}
+
 // fp8_stage: the FP8 GEMV's blocks and tiles (contiguous tile ranges over the
 // grid), the weights copied by the whole block with cp.async in stages of
 // 8 rows x 2 KiB (16 KiB), a ring of 4, a barrier a stage (as the split shape).
@@ -177,17 +200,7 @@ __global__ void __launch_bounds__(256) fp8_stage(const uint8_t* w, int tiles, in
     }
     asm volatile("cp.async.commit_group;");
   };
-  for (int s = 0; s < 3; ++s) issue(s);
-  unsigned acc = 0;
-  for (int s = 0; s < stages; ++s) {
-    asm volatile("cp.async.wait_group 2;");
-    __syncthreads();
-    const uint4* st = reinterpret_cast<const uint4*>(smem + (s % 4) * 16384);
-#pragma unroll
-    for (int q = 0; q < 4; ++q) acc ^= mix(st[threadIdx.x + 256 * q]);
-    __syncthreads();
-    issue(s + 3);
-  }
+  const unsigned acc = read_ring<256, 16384, false>(smem, stages, issue);
   if (acc == 0x12345678u) out[blockIdx.x] = acc;
 }
 
@@ -214,16 +227,7 @@ __global__ void __launch_bounds__(128) gemv_shape(const uint8_t* w, int row_byte
     }
     asm volatile("cp.async.commit_group;");
   };
-  for (int s = 0; s < 3; ++s) issue(s);
-  unsigned acc = 0;
-  for (int s = 0; s < stages; ++s) {
-    asm volatile("cp.async.wait_group 2;");
-    __syncthreads();
-    issue(s + 3);
-    const uint4* st = reinterpret_cast<const uint4*>(smem + (s % 4) * 8192);
-#pragma unroll
-    for (int q = 0; q < 4; ++q) acc ^= mix(st[threadIdx.x + 128 * q]);
-  }
+  const unsigned acc = read_ring<128, 8192, true>(smem, stages, issue);
   if (acc == 0x12345678u) out[blockIdx.x] = acc;
 }
 

@@ -934,4 +934,3 @@ def linear_invariant(x: torch.Tensor, weight: torch.Tensor, *,
         out.copy_(y)
         return out
     return y
-

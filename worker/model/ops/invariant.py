@@ -54,10 +54,6 @@ class NormFolded:
     in: weight[n, k] * norm_weight[k], rounded once to the dtype."""
     weight: torch.Tensor
 
-    @property
-    def shape(self) -> torch.Size:
-        return self.weight.shape
-
 
 def fold_norm(weight: torch.Tensor, norm_weight: torch.Tensor) -> NormFolded:
     """The folded weight (a new tensor: a tied embedding stays as it is)."""

@@ -9,7 +9,9 @@ each on mma.sync, on Hopper's wgmma, and mixed (the tiled shape on wgmma,
 the split on mma.sync: Hopper's default); the two kinds give the same bits,
 which the mix relies on. The fused residual
 add and silu_mul stores equal the GEMM followed by the separate kernel, bit
-for bit, and stay batch-invariant.
+for bit, and stay batch-invariant. The folded norm (each row's totals times
+rsqrt(mean(x^2) + eps), its sum of squares in one order) gives the same
+bits in every shape.
 
 Skipped, with the reason, where there is no CUDA device or turbomq._native was
 built without CUDA (TURBOMQ_CUDA=ON)."""

@@ -7,11 +7,14 @@ EOS), so every mode schedules the same steps: steps 120-319 of 600
 ShareGPT-like requests submitted at once, at 256 slots.
 
 Kernels launched as programmatic dependents start early and wait for the
-kernel before them inside, so their times include that wait (rms_norm's
-after the GEMM, for one): compare a kernel's total between the modes, not
-the totals' sum with the window's wall time.
+kernel before them inside, so their times include that wait (the folded
+norm's row-scale kernel after attention, for one). TURBOMQ_PDL=0 launches
+every kernel plainly, so each one's time is its own and the group totals
+compare between modes (docs/benchmarks/determinism_profile.txt was taken
+so); either way compare kernel totals, not their sum with the window's
+wall time (the profiler's overhead differs between modes).
 
-    python benchmarks/gpu_offline_profile.py --out DIR [--modes default fp8]
+    [TURBOMQ_PDL=0] python benchmarks/gpu_offline_profile.py --out DIR [--modes default fp8]
 
 Writes offline_profile.txt into DIR."""
 

@@ -205,7 +205,9 @@ def test_mma_kinds_give_the_same_bits(dtype, rows, n, k, gen, mma_kind):
 @pytest.mark.parametrize("rows,n,k,mode", [(600, 1536, 4096, "store"), (1024, 4096, 4096, "add"),
                                            (520, 2 * 1536, 1032, "silu"), (777, 520, 4104, "store"),
                                            (4096, 2 * 4096, 4096, "silu"),
-                                           (2048, 4096, 14336, "add")])
+                                           (2048, 4096, 14336, "add"),
+                                           (1100, 4096, 4096, "add"),
+                                           (1300, 2 * 4096, 4096, "silu")])
 def test_tma_loads_give_the_same_bits(dtype, rows, n, k, mode, gen):
     """The tiled shape on wgmma with its k tiles loaded by TMA gives the bits
     of its cp.async loads: partial row and column tiles, K past the last

@@ -1,0 +1,190 @@
+// Experiment, built by benchmarks/gpu_gemm_sequential.py (torch's extension
+// loader, native/cuda on the include path): the product as ONE accumulation
+// over K, y[m, n] = round(sum of every k16 step in increasing k, from zero),
+// on Hopper at cuBLAS's tile size. docs/determinism.md ("Next: one
+// accumulation over all of K") says why: without chunk sums there is no
+// second accumulator set, so a block holds a 256 x 128 tile (128 fp32
+// registers a consumer thread) instead of 128 x 128. This measures whether
+// that tile reaches ~0.9x cuBLAS before the other shapes are rewritten.
+//
+// Block: 384 threads. Warpgroup 2 is the producer (one thread issues TMA
+// loads into a ring of kStages stages: x's 256 rows and w's 128 rows of a
+// 64-wide k tile, 128-byte swizzle); warpgroups 0 and 1 each own 128 rows
+// of the tile as two m64n128 accumulators. Stages are handed over by
+// mbarriers: `full` (bytes landed), `empty` (both consumers done).
+#include <torch/extension.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include "tma.cuh"
+#include "wgmma.cuh"
+
+namespace turbomq {
+namespace cuda {
+namespace {
+
+constexpr int kSeqMT = 256, kSeqNT = 128, kSeqBK = 64;
+constexpr int kSeqRowBytes = kSeqBK * 2;
+constexpr int kSeqStages = 4;
+constexpr int kSeqThreads = 384;
+constexpr int kSeqGroupM = 8;  // row tiles a raster group (L2 reuse of w)
+constexpr int kSeqStageBytes = (kSeqMT + kSeqNT) * kSeqRowBytes;  // 48 KiB
+constexpr int kSeqSmemBytes = 1024 + kSeqStages * kSeqStageBytes + 2 * 8 * kSeqStages;
+
+struct SeqParams {
+  void* y;
+  int m, n, k;
+  int m_tiles, n_tiles, k_tiles;
+  CUtensorMap x, w;  // boxes of 64 x 256 (x) and 64 x 128 (w)
+};
+
+__device__ __forceinline__ std::uint32_t seq_smem() {
+  extern __shared__ __align__(128) unsigned char smem[];
+  return static_cast<std::uint32_t>(__cvta_generic_to_shared(smem));
+}
+
+template <int kRegs, bool kIncrease>
+__device__ __forceinline__ void set_max_registers() {
+  if constexpr (kIncrease) {
+    TURBOMQ_WGMMA_ASM("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kRegs));
+  } else {
+    TURBOMQ_WGMMA_ASM("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kRegs));
+  }
+}
+
+__device__ __forceinline__ void seq_arrive(std::uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+
+template <typename T>
+__device__ __forceinline__ std::uint32_t seq_pack(float lo, float hi) {
+  const T a = from_float<T>(lo), b = from_float<T>(hi);
+  return static_cast<std::uint32_t>(*reinterpret_cast<const std::uint16_t*>(&a)) |
+         (static_cast<std::uint32_t>(*reinterpret_cast<const std::uint16_t*>(&b)) << 16);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kSeqThreads, 1)
+    gemm_sequential_kernel(const __grid_constant__ SeqParams p) {
+  // Grouped raster order, as the invariant GEMM's tiled shape.
+  const int per_group = kSeqGroupM * p.n_tiles;
+  const int first = blockIdx.x / per_group * kSeqGroupM;
+  const int group_m = min(p.m_tiles - first, kSeqGroupM);
+  const int in_group = blockIdx.x % per_group;
+  const int m0 = (first + in_group % group_m) * kSeqMT;
+  const int n0 = (in_group / group_m) * kSeqNT;
+
+  const std::uint32_t base = (seq_smem() + 1023u) & ~1023u;
+  const std::uint32_t full = base + kSeqStages * kSeqStageBytes, empty = full + 8 * kSeqStages;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kSeqStages; ++s) {
+      mbarrier_init(full + 8 * s);
+      // two consumer warpgroups
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 2;" ::"r"(empty + 8 * s) : "memory");
+    }
+    fence_mbarrier_init();
+  }
+  __syncthreads();
+
+  if (threadIdx.x >= 256) {
+    set_max_registers<40, false>();
+    if (threadIdx.x != 256) return;
+    for (int kt = 0; kt < p.k_tiles; ++kt) {
+      const int s = kt % kSeqStages;
+      if (kt >= kSeqStages) mbarrier_wait(empty + 8 * s, (kt / kSeqStages - 1) & 1);
+      const std::uint32_t st = base + s * kSeqStageBytes;
+      mbarrier_expect_bytes(full + 8 * s, kSeqStageBytes);
+      tma_load_2d(st, &p.x, kt * kSeqBK, m0, full + 8 * s);
+      tma_load_2d(st + kSeqMT * kSeqRowBytes, &p.w, kt * kSeqBK, n0, full + 8 * s);
+    }
+    return;
+  }
+
+  set_max_registers<232, true>();
+  const int wg = threadIdx.x / 128;
+  // Warpgroup wg: rows 128 wg.. as two m64 halves; all 128 columns.
+  const std::uint64_t a0 = wgmma_desc(base + (128 * wg) * kSeqRowBytes);
+  const std::uint64_t a1 = wgmma_desc(base + (128 * wg + 64) * kSeqRowBytes);
+  const std::uint64_t b = wgmma_desc(base + kSeqMT * kSeqRowBytes);
+  float acc0[64], acc1[64];
+#pragma unroll
+  for (int i = 0; i < 64; ++i) acc0[i] = acc1[i] = 0.0f;
+  for (int kt = 0; kt < p.k_tiles; ++kt) {
+    const int s = kt % kSeqStages;
+    mbarrier_wait(full + 8 * s, (kt / kSeqStages) & 1);
+    const std::uint64_t st = static_cast<std::uint64_t>(s * kSeqStageBytes) >> 4;
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < kSeqBK / 16; ++ks) {
+      wgmma_m64k16<T, 128>(acc0, a0 + st + 2 * ks, b + st + 2 * ks);
+      wgmma_m64k16<T, 128>(acc1, a1 + st + 2 * ks, b + st + 2 * ks);
+    }
+    wgmma_commit();
+    wgmma_wait<1>();
+    if (kt > 0 && threadIdx.x % 128 == 0) seq_arrive(empty + 8 * ((kt - 1) % kSeqStages));
+  }
+  wgmma_wait<0>();
+
+  // The m64n128 accumulator layout: warp w%4 of the warpgroup holds rows
+  // 16 (w%4) + lane/4 (+ 8), n8 tile j at columns 8 j + 2 (lane%4).
+  T* y = static_cast<T*>(p.y);
+  const int lane = threadIdx.x % 32, w4 = (threadIdx.x / 32) % 4;
+  const auto store = [&](const float* acc, int row0) {
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      const int n = n0 + 8 * j + 2 * (lane % 4);
+      if (n >= p.n) continue;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int m = row0 + 16 * w4 + lane / 4 + 8 * h;
+        if (m >= p.m) continue;
+        *reinterpret_cast<std::uint32_t*>(y + static_cast<std::int64_t>(m) * p.n + n) =
+            seq_pack<T>(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+      }
+    }
+  };
+  store(acc0, m0 + 128 * wg);
+  store(acc1, m0 + 128 * wg + 64);
+}
+
+}  // namespace
+
+// y = x w^T for 2D bf16/fp16 CUDA tensors (x [M, K], w [N, K], K and N
+// multiples of 8, 16-byte aligned rows), on the current stream.
+torch::Tensor gemm_sequential(torch::Tensor x, torch::Tensor w) {
+  TORCH_CHECK(x.is_cuda() && w.is_cuda() && x.dim() == 2 && w.dim() == 2, "2D CUDA tensors");
+  TORCH_CHECK(x.scalar_type() == w.scalar_type() &&
+                  (x.scalar_type() == torch::kBFloat16 || x.scalar_type() == torch::kHalf),
+              "bf16 or fp16, both the same");
+  TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && x.size(1) == w.size(1), "shapes");
+  TORCH_CHECK(x.size(1) % 8 == 0 && w.size(0) % 8 == 0, "N and K multiples of 8");
+  const bool half = x.scalar_type() == torch::kHalf;
+  auto y = torch::empty({x.size(0), w.size(0)}, x.options());
+  SeqParams p{};
+  p.y = y.data_ptr();
+  p.m = static_cast<int>(x.size(0));
+  p.n = static_cast<int>(w.size(0));
+  p.k = static_cast<int>(x.size(1));
+  p.m_tiles = ceil_div(p.m, kSeqMT);
+  p.n_tiles = ceil_div(p.n, kSeqNT);
+  p.k_tiles = ceil_div(p.k, kSeqBK);
+  const DType dtype = half ? DType::kF16 : DType::kBF16;
+  p.x = transient_tensor_map_2d(reinterpret_cast<std::uintptr_t>(x.data_ptr()), p.m, p.k, dtype,
+                                kSeqMT);
+  p.w = tensor_map_2d(reinterpret_cast<std::uintptr_t>(w.data_ptr()), p.n, p.k, dtype, kSeqNT);
+  const unsigned blocks = static_cast<unsigned>(p.m_tiles) * p.n_tiles;
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  auto kernel = half ? gemm_sequential_kernel<__half> : gemm_sequential_kernel<__nv_bfloat16>;
+  check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  kSeqSmemBytes),
+             "gemm_sequential: shared memory opt-in");
+  kernel<<<blocks, kSeqThreads, kSeqSmemBytes, stream>>>(p);
+  check_cuda(cudaGetLastError(), "gemm_sequential_kernel");
+  return y;
+}
+
+}  // namespace cuda
+}  // namespace turbomq
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("gemm_sequential", &turbomq::cuda::gemm_sequential, "y = x w^T, one accumulation over K");
+}

@@ -1,0 +1,120 @@
+"""Experiment: the product as one accumulation over K on 256 x 128 wgmma
+tiles (gpu_gemm_sequential.cu beside this file, built here with torch's
+extension loader; the engine does not use it) against cuBLAS and the batch-invariant
+GEMM's tiled shape (cp.async, and TMA loads), one run on one Hopper GPU,
+Llama-3-8B projections, bf16. The question it answers: does the tile that one
+accumulator set allows reach ~0.9x cuBLAS (docs/determinism.md, "Next")?
+It also checks the result against a float32 product and that a row's bits
+do not depend on M (its first rows alone against the same rows in the batch).
+
+    python benchmarks/gpu_gemm_sequential.py --out DIR [--rows 256 1024 8192]
+
+Writes gemm_sequential.md and gemm_sequential.json into DIR."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.utils.cpp_extension import load
+
+from turbomq.worker.model.ops import cuda as cuda_ops
+
+_here = Path(__file__).resolve().parent
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, _here / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+gpu_kernels = _load("gpu_kernels")
+gemm_bench = _load("gpu_gemm_invariant")  # shapes, call plans, weight rotation
+ROWS = [128, 256, 512, 1024, 4096, 8192]
+DEV, DTYPE = gemm_bench.DEV, gemm_bench.DTYPE
+
+
+_ext = None
+
+
+def sequential(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return _ext.gemm_sequential(x, w)
+
+
+def invariant_tiled(tma: bool):
+    def run(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        cuda_ops._k.set_gemm_invariant_tma(tma)
+        try:
+            return cuda_ops.linear_invariant(x, w, path="tiled")
+        finally:
+            cuda_ops._k.set_gemm_invariant_tma(cuda_ops.INVARIANT_TMA)
+    return run
+
+
+def check(n: int, k: int) -> dict:
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    x = torch.randn((1000, k), device=DEV, dtype=DTYPE, generator=gen)
+    w = torch.randn((n, k), device=DEV, dtype=DTYPE, generator=gen) * 0.02
+    want = x.float() @ w.float().T
+    got = sequential(x, w)
+    err = ((got.float() - want).abs().max() / want.abs().max()).item()
+    alone = sequential(x[:37].contiguous(), w)
+    return {"rel_err": err, "rows_bit_identical": bool(torch.equal(alone, got[:37]))}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--rows", type=int, nargs="*", default=ROWS)
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    global _ext
+    _ext = load("gemm_sequential", [str(_here / "gpu_gemm_sequential.cu")],
+                extra_include_paths=[str(_here.parent / "native" / "cuda")],
+                extra_cuda_cflags=["-O3", "-std=c++17", "-arch=sm_90a"],
+                verbose=False)
+    kinds = {"cublas_us": F.linear, "sequential_us": sequential,
+             "tiled_us": invariant_tiled(False), "tiled_tma_us": invariant_tiled(True)}
+    results = []
+    for name, (n, k) in gemm_bench.SHAPES.items():
+        correct = check(n, k)
+        print(name, correct, flush=True)
+        wbytes = 2 * n * k
+        copies = max(1, -(-gemm_bench.ROTATE_BYTES // wbytes))
+        ws = [torch.randn((n, k), device=DEV, dtype=DTYPE) * 0.02 for _ in range(copies)]
+        for m in args.rows:
+            x = torch.randn((m, k), device=DEV, dtype=DTYPE)
+            calls, reps = gemm_bench.plan_calls(m, n, k, copies)
+            r = {"name": name, "n": n, "k": k, "m": m, **correct}
+            for key, fn in kinds.items():
+                r[key] = gpu_kernels.time_graph(lambda i, fn=fn: fn(x, ws[i % copies]), calls,
+                                                reps) * 1e6
+            r["tflops"] = 2 * m * n * k / r["sequential_us"] / 1e6
+            results.append(r)
+            print(f"{name:8s} M={m:5d} cuBLAS {r['cublas_us']:8.1f} sequential "
+                  f"{r['sequential_us']:8.1f} ({r['cublas_us'] / r['sequential_us']:.2f}x) "
+                  f"tiled {r['tiled_us']:8.1f} tiled+TMA {r['tiled_tma_us']:8.1f}", flush=True)
+    lines = ["# One accumulation over K: 256 x 128 wgmma tiles against cuBLAS", "",
+             f"{torch.cuda.get_device_name()}, bf16, one run: `python benchmarks/gpu_gemm_sequential.py"
+             " --out DIR`. `vs cuBLAS` > 1 means faster. The invariant GEMM's tiled shape (chunk sums"
+             " folded in order) beside it, with `cp.async` and with TMA loads.", "",
+             "| shape | M | cuBLAS (us) | sequential (us) | TFLOP/s | vs cuBLAS | tiled (us) |"
+             " tiled, TMA (us) | rel. error | rows bit-identical |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for r in results:
+        lines.append(f"| {r['name']} | {r['m']} | {r['cublas_us']:.1f} | {r['sequential_us']:.1f} | "
+                     f"{r['tflops']:.0f} | {r['cublas_us'] / r['sequential_us']:.2f} | "
+                     f"{r['tiled_us']:.1f} | {r['tiled_tma_us']:.1f} | {r['rel_err']:.1e} | "
+                     f"{r['rows_bit_identical']} |")
+    (args.out / "gemm_sequential.md").write_text("\n".join(lines) + "\n")
+    (args.out / "gemm_sequential.json").write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

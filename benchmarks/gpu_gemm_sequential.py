@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -75,10 +76,12 @@ def main() -> None:
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     global _ext
+    # wgmma and setmaxnreg need the arch-specific target: sm_90a only (a
+    # plain sm_90 build would compile them to traps).
+    os.environ["TORCH_CUDA_ARCH_LIST"] = "9.0a"
     _ext = load("gemm_sequential", [str(_here / "gpu_gemm_sequential.cu")],
                 extra_include_paths=[str(_here.parent / "native" / "cuda")],
-                extra_cuda_cflags=["-O3", "-std=c++17", "-arch=sm_90a"],
-                verbose=False)
+                extra_cuda_cflags=["-O3", "-std=c++17"], verbose=False)
     kinds = {"cublas_us": F.linear, "sequential_us": sequential,
              "tiled_us": invariant_tiled(False), "tiled_tma_us": invariant_tiled(True)}
     results = []

@@ -12,9 +12,19 @@
 // 64-wide k tile, 128-byte swizzle); warpgroups 0 and 1 each own 128 rows
 // of the tile as two m64n128 accumulators. Stages are handed over by
 // mbarriers: `full` (bytes landed), `empty` (both consumers done).
+//
+// And the same definition for a few rows (gemv_sequential_kernel, decode):
+// each warp owns whole tiles of 8 weight rows and walks all of K, the tile's
+// rows streamed through the warp's own cp.async ring (quarters of 8 rows x
+// 128 k), x's rows (at most 8) staged in shared memory, one mma.m16n8k16
+// per k16 step into one accumulator. No chunk sums, no fold, no block-wide
+// barrier after the start. Both kernels run every k16 step in the same
+// order into one accumulator, so a row should come out with the same bits
+// from either (the benchmark checks it).
 #include <torch/extension.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include "mma.cuh"
 #include "tma.cuh"
 #include "wgmma.cuh"
 
@@ -146,6 +156,109 @@ __global__ void __launch_bounds__(kSeqThreads, 1)
   store(acc1, m0 + 128 * wg + 64);
 }
 
+
+// ----------------------------------------------------------- few rows
+constexpr int kNarrowQuarter = 128;                      // k per ring stage
+constexpr int kNarrowStageBytes = 8 * kNarrowQuarter * 2;  // 8 rows x 256 bytes
+constexpr int kNarrowMaxRows = 8;
+
+struct NarrowParams {
+  void* y;
+  const void* x;
+  const void* w;
+  int m, n, k;
+  int tiles;          // n / 8
+  int tiles_per_warp;
+  int x_pitch;        // elements between x rows in shared memory (k + 8: banks)
+};
+
+// Byte offset of 16-byte chunk c (0-15) of row r (0-7) in a stage: rows of
+// 256 bytes, the chunk XOR-swizzled by the row within its 128-byte half, so
+// the 8 rows an ldmatrix phase reads hit 8 bank groups.
+__device__ __forceinline__ std::uint32_t narrow_swizzle(int r, int c) {
+  return static_cast<std::uint32_t>(r * 256 + ((c ^ r) << 4));
+}
+
+template <typename T, int kWarps, int kRing>
+__global__ void __launch_bounds__(kWarps * 32) gemv_sequential_kernel(const NarrowParams p) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  const std::uint32_t base = static_cast<std::uint32_t>(__cvta_generic_to_shared(smem));
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int quarters = p.k / kNarrowQuarter;
+  const std::uint32_t x_bytes = (static_cast<std::uint32_t>(p.m * p.x_pitch * 2) + 127u) & ~127u;
+  const std::uint32_t ring = base + x_bytes + warp * kRing * kNarrowStageBytes;
+  const int first_tile = (blockIdx.x * kWarps + warp) * p.tiles_per_warp;
+  const int steps = max(0, min(p.tiles_per_warp, p.tiles - first_tile)) * quarters;
+  const auto* w = static_cast<const std::uint16_t*>(p.w);
+
+  // x's rows, once per block.
+  const auto* x = static_cast<const std::uint16_t*>(p.x);
+  for (int i = threadIdx.x; i < p.m * (p.k / 8); i += kWarps * 32) {
+    const int row = i / (p.k / 8), c = i % (p.k / 8);
+    cp_async16(base + (row * p.x_pitch + c * 8) * 2,
+               x + static_cast<std::int64_t>(row) * p.k + c * 8, true);
+  }
+  cp_async_commit();
+
+  // Step s: quarter s % quarters of tile first_tile + s / quarters; a lane
+  // copies 4 of its 128 chunks.
+  const auto load = [&](int s) {
+    if (s < steps) {
+      const int tile = first_tile + s / quarters, q = s % quarters;
+      const std::uint32_t dst = ring + (s % kRing) * kNarrowStageBytes;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int chunk = lane + 32 * j, r = chunk / 16, c = chunk % 16;
+        cp_async16_l2_256(dst + narrow_swizzle(r, c),
+                          w + static_cast<std::int64_t>(tile * 8 + r) * p.k + q * kNarrowQuarter +
+                              c * 8,
+                          true);
+      }
+    }
+    cp_async_commit();  // empty past the end: the wait counts stay uniform
+  };
+#pragma unroll
+  for (int s = 0; s < kRing - 1; ++s) load(s);
+  cp_async_wait<kRing - 1>();  // this thread's x copies (its first group)
+  __syncthreads();             // everyone's
+
+  const int g = lane / 4, c = lane % 4;
+  const bool row_ok = g < p.m;
+  const std::uint32_t x_row = base + (row_ok ? g : 0) * p.x_pitch * 2;
+  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  T* y = static_cast<T*>(p.y);
+  for (int s = 0; s < steps; ++s) {
+    cp_async_wait<kRing - 2>();  // step s has landed (this lane's part)...
+    __syncwarp();                // ...every lane's; and stage s - 1 is free
+    load(s + kRing - 1);
+    const std::uint32_t st = ring + (s % kRing) * kNarrowStageBytes;
+    const int kq = (s % quarters) * kNarrowQuarter;
+#pragma unroll
+    for (int pair = 0; pair < kNarrowQuarter / 32; ++pair) {
+      std::uint32_t b[4];  // two k16 steps: (b0, b1) of step 2 pair, then of 2 pair + 1
+      ldmatrix_x4(b, st + narrow_swizzle(lane % 8, 4 * pair + lane / 8));
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int k0 = kq + 32 * pair + 16 * h;
+        std::uint32_t a[4] = {0u, 0u, 0u, 0u};  // rows g + 8 are past any M here
+        if (row_ok) {
+          asm volatile("ld.shared.b32 %0, [%1];" : "=r"(a[0]) : "r"(x_row + (k0 + 2 * c) * 2));
+          asm volatile("ld.shared.b32 %0, [%1];" : "=r"(a[2]) : "r"(x_row + (k0 + 8 + 2 * c) * 2));
+        }
+        mma_m16n8k16<T>(acc, a, b[2 * h], b[2 * h + 1]);
+      }
+    }
+    if (s % quarters == quarters - 1) {  // the tile's last quarter: store its rows
+      const int n = (first_tile + s / quarters) * 8 + 2 * c;
+      if (row_ok) {
+        *reinterpret_cast<std::uint32_t*>(y + static_cast<std::int64_t>(g) * p.n + n) =
+            seq_pack<T>(acc[0], acc[1]);
+      }
+      acc[0] = acc[1] = acc[2] = acc[3] = 0.0f;
+    }
+  }
+  cp_async_wait<0>();
+}
 }  // namespace
 
 // y = x w^T for 2D bf16/fp16 CUDA tensors (x [M, K], w [N, K], K and N
@@ -182,9 +295,55 @@ torch::Tensor gemm_sequential(torch::Tensor x, torch::Tensor w) {
   return y;
 }
 
+// y = x w^T for at most 8 rows of x: kWarps warps a block (4 or 8), each
+// taking tiles_per_warp tiles of 8 weight rows; K a multiple of 128.
+torch::Tensor gemv_sequential(torch::Tensor x, torch::Tensor w, int warps, int tiles_per_warp) {
+  TORCH_CHECK(x.is_cuda() && w.is_cuda() && x.dim() == 2 && w.dim() == 2, "2D CUDA tensors");
+  TORCH_CHECK(x.scalar_type() == w.scalar_type() &&
+                  (x.scalar_type() == torch::kBFloat16 || x.scalar_type() == torch::kHalf),
+              "bf16 or fp16, both the same");
+  TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && x.size(1) == w.size(1), "shapes");
+  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= kNarrowMaxRows, "1 to 8 rows");
+  TORCH_CHECK(x.size(1) % kNarrowQuarter == 0 && w.size(0) % 8 == 0, "K % 128, N % 8");
+  TORCH_CHECK((warps == 4 || warps == 8) && tiles_per_warp >= 1, "4 or 8 warps");
+  const bool half = x.scalar_type() == torch::kHalf;
+  auto y = torch::empty({x.size(0), w.size(0)}, x.options());
+  NarrowParams p{};
+  p.y = y.data_ptr();
+  p.x = x.data_ptr();
+  p.w = w.data_ptr();
+  p.m = static_cast<int>(x.size(0));
+  p.n = static_cast<int>(w.size(0));
+  p.k = static_cast<int>(x.size(1));
+  p.tiles = p.n / 8;
+  p.tiles_per_warp = tiles_per_warp;
+  p.x_pitch = p.k + 8;
+  constexpr int kRing = 6;
+  const int x_bytes = (p.m * p.x_pitch * 2 + 127) & ~127;
+  const int smem = x_bytes + warps * kRing * kNarrowStageBytes;
+  const int blocks = ceil_div(p.tiles, warps * tiles_per_warp);
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  auto launch = [&](auto kernel) {
+    check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
+               "gemv_sequential: shared memory opt-in");
+    kernel<<<blocks, warps * 32, smem, stream>>>(p);
+    check_cuda(cudaGetLastError(), "gemv_sequential_kernel");
+  };
+  if (half) {
+    warps == 4 ? launch(gemv_sequential_kernel<__half, 4, kRing>)
+               : launch(gemv_sequential_kernel<__half, 8, kRing>);
+  } else {
+    warps == 4 ? launch(gemv_sequential_kernel<__nv_bfloat16, 4, kRing>)
+               : launch(gemv_sequential_kernel<__nv_bfloat16, 8, kRing>);
+  }
+  return y;
+}
+
 }  // namespace cuda
 }  // namespace turbomq
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemm_sequential", &turbomq::cuda::gemm_sequential, "y = x w^T, one accumulation over K");
+  m.def("gemv_sequential", &turbomq::cuda::gemv_sequential,
+        "y = x w^T for at most 8 rows, one accumulation over K");
 }

@@ -7,7 +7,9 @@
 // registers a consumer thread) instead of 128 x 128. This measures whether
 // that tile reaches ~0.9x cuBLAS before the other shapes are rewritten.
 //
-// Block: 384 threads. Warpgroup 2 is the producer (one thread issues TMA
+// Block: 384 threads (optionally in clusters of two row tiles that share
+// the weight tile, each loading half and multicasting it). Warpgroup 2 is
+// the producer (one thread issues TMA
 // loads into a ring of kStages stages: x's 256 rows and w's 128 rows of a
 // 64-wide k tile, 128-byte swizzle); warpgroups 0 and 1 each own 128 rows
 // of the tile as two m64n128 accumulators. Stages are handed over by
@@ -72,15 +74,49 @@ __device__ __forceinline__ std::uint32_t seq_pack(float lo, float hi) {
          (static_cast<std::uint32_t>(*reinterpret_cast<const std::uint16_t*>(&b)) << 16);
 }
 
-template <typename T>
-__global__ void __launch_bounds__(kSeqThreads, 1)
-    gemm_sequential_kernel(const __grid_constant__ SeqParams p) {
+// Cluster helpers (pairs): this block's rank; an arrival on the mbarrier at
+// `bar` in block `rank` of the cluster, released at CTA scope (a
+// cluster-scope release measured 3x slower, docs/kernels.md); a barrier of
+// the cluster's threads; a TMA box multicast into the blocks of `mask`.
+__device__ __forceinline__ int seq_cluster_rank() {
+  std::uint32_t r = 0;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return static_cast<int>(r);
+}
+__device__ __forceinline__ void seq_arrive_in(std::uint32_t bar, int rank) {
+  asm volatile(
+      "{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\n"
+      "mbarrier.arrive.shared::cluster.b64 _, [remote];\n}\n" ::"r"(bar), "r"(rank)
+      : "memory");
+}
+__device__ __forceinline__ void seq_cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;" ::: "memory");
+}
+__device__ __forceinline__ void seq_tma_multicast(std::uint32_t dst, const CUtensorMap* map, int x,
+                                                  int y, std::uint32_t bar, std::uint16_t mask) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      ".multicast::cluster [%0], [%1, {%2, %3}], [%4], %5;" ::"r"(dst),
+      "l"(reinterpret_cast<std::uint64_t>(map)), "r"(x), "r"(y), "r"(bar), "h"(mask)
+      : "memory");
+}
+
+// kPaired: clusters of two blocks on row tiles 2 u and 2 u + 1 of the same
+// columns; each loads half of the weight tile (64 rows: the w map's boxes)
+// and multicasts it into both, and a stage is refilled once all four
+// consumer warpgroups of the pair are done with it.
+template <typename T, bool kPaired>
+__device__ __forceinline__ void gemm_sequential_body(const SeqParams& p) {
+  constexpr int kBlocks = kPaired ? 2 : 1, kGroup = kSeqGroupM / kBlocks;
+  const int rank = kPaired ? seq_cluster_rank() : 0;
   // Grouped raster order, as the invariant GEMM's tiled shape.
-  const int per_group = kSeqGroupM * p.n_tiles;
-  const int first = blockIdx.x / per_group * kSeqGroupM;
-  const int group_m = min(p.m_tiles - first, kSeqGroupM);
-  const int in_group = blockIdx.x % per_group;
-  const int m0 = (first + in_group % group_m) * kSeqMT;
+  const int units = (p.m_tiles + kBlocks - 1) / kBlocks;
+  const int unit = blockIdx.x / kBlocks;
+  const int per_group = kGroup * p.n_tiles;
+  const int first = unit / per_group * kGroup;
+  const int group_m = min(units - first, kGroup);
+  const int in_group = unit % per_group;
+  const int m0 = ((first + in_group % group_m) * kBlocks + rank) * kSeqMT;
   const int n0 = (in_group / group_m) * kSeqNT;
 
   const std::uint32_t base = (seq_smem() + 1023u) & ~1023u;
@@ -88,24 +124,37 @@ __global__ void __launch_bounds__(kSeqThreads, 1)
   if (threadIdx.x == 0) {
     for (int s = 0; s < kSeqStages; ++s) {
       mbarrier_init(full + 8 * s);
-      // two consumer warpgroups
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], 2;" ::"r"(empty + 8 * s) : "memory");
+      // each consumer warpgroup (of the pair)
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(empty + 8 * s),
+                   "r"(2 * kBlocks)
+                   : "memory");
     }
     fence_mbarrier_init();
   }
-  __syncthreads();
+  if constexpr (kPaired) {
+    seq_cluster_sync();  // the peer's barriers exist before anything lands on them
+  } else {
+    __syncthreads();
+  }
 
   if (threadIdx.x >= 256) {
     set_max_registers<40, false>();
-    if (threadIdx.x != 256) return;
-    for (int kt = 0; kt < p.k_tiles; ++kt) {
-      const int s = kt % kSeqStages;
-      if (kt >= kSeqStages) mbarrier_wait(empty + 8 * s, (kt / kSeqStages - 1) & 1);
-      const std::uint32_t st = base + s * kSeqStageBytes;
-      mbarrier_expect_bytes(full + 8 * s, kSeqStageBytes);
-      tma_load_2d(st, &p.x, kt * kSeqBK, m0, full + 8 * s);
-      tma_load_2d(st + kSeqMT * kSeqRowBytes, &p.w, kt * kSeqBK, n0, full + 8 * s);
+    if (threadIdx.x == 256) {
+      for (int kt = 0; kt < p.k_tiles; ++kt) {
+        const int s = kt % kSeqStages;
+        if (kt >= kSeqStages) mbarrier_wait(empty + 8 * s, (kt / kSeqStages - 1) & 1);
+        const std::uint32_t st = base + s * kSeqStageBytes;
+        mbarrier_expect_bytes(full + 8 * s, kSeqStageBytes);
+        tma_load_2d(st, &p.x, kt * kSeqBK, m0, full + 8 * s);
+        if constexpr (kPaired) {
+          seq_tma_multicast(st + (kSeqMT + 64 * rank) * kSeqRowBytes, &p.w, kt * kSeqBK,
+                            n0 + 64 * rank, full + 8 * s, 0b11);
+        } else {
+          tma_load_2d(st + kSeqMT * kSeqRowBytes, &p.w, kt * kSeqBK, n0, full + 8 * s);
+        }
+      }
     }
+    if constexpr (kPaired) seq_cluster_sync();  // the peer still arrives on our barriers
     return;
   }
 
@@ -130,7 +179,15 @@ __global__ void __launch_bounds__(kSeqThreads, 1)
     }
     wgmma_commit();
     wgmma_wait<1>();
-    if (kt > 0 && threadIdx.x % 128 == 0) seq_arrive(empty + 8 * ((kt - 1) % kSeqStages));
+    if (kt > 0 && threadIdx.x % 128 == 0) {
+      const std::uint32_t bar = empty + 8 * ((kt - 1) % kSeqStages);
+      if constexpr (kPaired) {
+        seq_arrive_in(bar, 0);
+        seq_arrive_in(bar, 1);
+      } else {
+        seq_arrive(bar);
+      }
+    }
   }
   wgmma_wait<0>();
 
@@ -154,6 +211,18 @@ __global__ void __launch_bounds__(kSeqThreads, 1)
   };
   store(acc0, m0 + 128 * wg);
   store(acc1, m0 + 128 * wg + 64);
+  if constexpr (kPaired) seq_cluster_sync();
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kSeqThreads, 1)
+    gemm_sequential_kernel(const __grid_constant__ SeqParams p) {
+  gemm_sequential_body<T, false>(p);
+}
+template <typename T>
+__global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(kSeqThreads, 1)
+    gemm_sequential_pair_kernel(const __grid_constant__ SeqParams p) {
+  gemm_sequential_body<T, true>(p);
 }
 
 
@@ -262,8 +331,9 @@ __global__ void __launch_bounds__(kWarps * 32) gemv_sequential_kernel(const Narr
 }  // namespace
 
 // y = x w^T for 2D bf16/fp16 CUDA tensors (x [M, K], w [N, K], K and N
-// multiples of 8, 16-byte aligned rows), on the current stream.
-torch::Tensor gemm_sequential(torch::Tensor x, torch::Tensor w) {
+// multiples of 8, 16-byte aligned rows), on the current stream; `paired`:
+// in clusters of two row tiles sharing the weight tile.
+torch::Tensor gemm_sequential(torch::Tensor x, torch::Tensor w, bool paired) {
   TORCH_CHECK(x.is_cuda() && w.is_cuda() && x.dim() == 2 && w.dim() == 2, "2D CUDA tensors");
   TORCH_CHECK(x.scalar_type() == w.scalar_type() &&
                   (x.scalar_type() == torch::kBFloat16 || x.scalar_type() == torch::kHalf),
@@ -283,10 +353,14 @@ torch::Tensor gemm_sequential(torch::Tensor x, torch::Tensor w) {
   const DType dtype = half ? DType::kF16 : DType::kBF16;
   p.x = transient_tensor_map_2d(reinterpret_cast<std::uintptr_t>(x.data_ptr()), p.m, p.k, dtype,
                                 kSeqMT);
-  p.w = tensor_map_2d(reinterpret_cast<std::uintptr_t>(w.data_ptr()), p.n, p.k, dtype, kSeqNT);
-  const unsigned blocks = static_cast<unsigned>(p.m_tiles) * p.n_tiles;
+  p.w = tensor_map_2d(reinterpret_cast<std::uintptr_t>(w.data_ptr()), p.n, p.k, dtype,
+                      paired ? kSeqNT / 2 : kSeqNT);
+  const unsigned blocks =
+      static_cast<unsigned>(paired ? 2 * ceil_div(p.m_tiles, 2) : p.m_tiles) * p.n_tiles;
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  auto kernel = half ? gemm_sequential_kernel<__half> : gemm_sequential_kernel<__nv_bfloat16>;
+  auto kernel = paired ? gemm_sequential_pair_kernel<__nv_bfloat16>
+                       : gemm_sequential_kernel<__nv_bfloat16>;
+  if (half) kernel = paired ? gemm_sequential_pair_kernel<__half> : gemm_sequential_kernel<__half>;
   check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                   kSeqSmemBytes),
              "gemm_sequential: shared memory opt-in");
@@ -343,7 +417,8 @@ torch::Tensor gemv_sequential(torch::Tensor x, torch::Tensor w, int warps, int t
 }  // namespace turbomq
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("gemm_sequential", &turbomq::cuda::gemm_sequential, "y = x w^T, one accumulation over K");
+  m.def("gemm_sequential", &turbomq::cuda::gemm_sequential, "y = x w^T, one accumulation over K",
+        pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("paired") = false);
   m.def("gemv_sequential", &turbomq::cuda::gemv_sequential,
         "y = x w^T for at most 8 rows, one accumulation over K");
 }

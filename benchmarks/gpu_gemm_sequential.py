@@ -1,11 +1,21 @@
-"""Experiment: the product as one accumulation over K on 256 x 128 wgmma
-tiles (gpu_gemm_sequential.cu beside this file, built here with torch's
-extension loader; the engine does not use it) against cuBLAS and the batch-invariant
-GEMM's tiled shape (cp.async, and TMA loads), one run on one Hopper GPU,
-Llama-3-8B projections, bf16. The question it answers: does the tile that one
-accumulator set allows reach ~0.9x cuBLAS (docs/determinism.md, "Next")?
-It also checks the result against a float32 product and that a row's bits
-do not depend on M (its first rows alone against the same rows in the batch).
+"""Experiment: the product as one accumulation over K (docs/determinism.md,
+"Next"), both halves of the plan, one run on one Hopper GPU, Llama-3-8B
+projections, bf16. The kernels are in gpu_gemm_sequential.cu beside this
+file, built here with torch's extension loader; the engine does not use them.
+
+- Many rows: 256 x 128 wgmma tiles (alone, and in clusters of two row
+  tiles sharing the weight tile by multicast) against cuBLAS and the
+  batch-invariant GEMM's tiled shape (cp.async, and TMA loads). Does the
+  tile that one accumulator set allows reach ~0.9x cuBLAS?
+- 1-8 rows: a warp per tile of 8 weight rows walking all of K, against the
+  default GEMV, the invariant GEMM's own choice, and its gemv shape (these
+  launch as programmatic dependents in the graph; the experiment does not,
+  so it pays its start-up that they hide). Each tiling of warps and tiles
+  is timed; the best is reported.
+
+It checks the large kernel against a float32 product, that a row's bits do
+not depend on M or on the pairing, and that the few-row kernel gives a row
+the same bits as the large one (the premise of the plan).
 
     python benchmarks/gpu_gemm_sequential.py --out DIR [--rows 256 1024 8192]
 
@@ -51,6 +61,10 @@ def sequential(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return _ext.gemm_sequential(x, w)
 
 
+def sequential_paired(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return _ext.gemm_sequential(x, w, paired=True)
+
+
 def narrow(warps: int, tiles: int):
     def run(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return _ext.gemv_sequential(x, w, warps, tiles)
@@ -88,6 +102,7 @@ def check(n: int, k: int) -> dict:
     few = [m for m in FEW_ROWS if narrow_fits(m, k, 4)]
     same = all(torch.equal(narrow(4, 1)(x[:m].contiguous(), w), got[:m]) for m in few)
     return {"rel_err": err, "rows_bit_identical": bool(torch.equal(alone, got[:37])),
+            "paired_same_bits": bool(torch.equal(sequential_paired(x, w), got)),
             "few_rows_same_bits": bool(same)}
 
 
@@ -111,7 +126,8 @@ def main() -> None:
 
 def many_rows(rows: list[int]) -> list[dict]:
     kinds = {"cublas_us": F.linear, "sequential_us": sequential,
-             "tiled_us": invariant_tiled(False), "tiled_tma_us": invariant_tiled(True)}
+             "sequential_paired_us": sequential_paired, "tiled_us": invariant_tiled(False),
+             "tiled_tma_us": invariant_tiled(True)}
     results = []
     for name, (n, k) in gemm_bench.SHAPES.items():
         correct = check(n, k)
@@ -129,6 +145,7 @@ def many_rows(rows: list[int]) -> list[dict]:
             results.append(r)
             print(f"{name:8s} M={m:5d} cuBLAS {r['cublas_us']:8.1f} sequential "
                   f"{r['sequential_us']:8.1f} ({r['cublas_us'] / r['sequential_us']:.2f}x) "
+                  f"paired {r['sequential_paired_us']:8.1f} "
                   f"tiled {r['tiled_us']:8.1f} tiled+TMA {r['tiled_tma_us']:8.1f}", flush=True)
     return results
 
@@ -170,15 +187,19 @@ def write_report(out: Path, results: list[dict], few_results: list[dict]) -> Non
              "`python benchmarks/gpu_gemm_sequential.py --out DIR`. `vs cuBLAS` > 1 means faster. "
              "The invariant GEMM's tiled shape (chunk sums folded in order) beside it, with "
              "`cp.async` and with TMA loads.", "",
-             "| shape | M | cuBLAS (us) | sequential (us) | TFLOP/s | vs cuBLAS | tiled (us) |"
-             " tiled, TMA (us) | rel. error | rows bit-identical | few rows same bits |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |"]
+             "| shape | M | cuBLAS (us) | sequential (us) | TFLOP/s | vs cuBLAS | paired (us) |"
+             " tiled (us) | tiled, TMA (us) | rel. error | rows bit-identical | paired same bits |"
+             " few rows same bits |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |"
+             " --- |"]
     for r in results:
         ratio = r["cublas_us"] / r["sequential_us"]
         lines.append(f"| {r['name']} | {r['m']} | {r['cublas_us']:.1f} | "
                      f"{r['sequential_us']:.1f} | {r['tflops']:.0f} | {ratio:.2f} | "
+                     f"{r['sequential_paired_us']:.1f} | "
                      f"{r['tiled_us']:.1f} | {r['tiled_tma_us']:.1f} | {r['rel_err']:.1e} | "
-                     f"{r['rows_bit_identical']} | {r['few_rows_same_bits']} |")
+                     f"{r['rows_bit_identical']} | {r['paired_same_bits']} | "
+                     f"{r['few_rows_same_bits']} |")
     lines += ["", "## A few rows: a warp per tile of 8 weight rows over all of K", "",
               "`narrow`: the best (warps x tiles a warp) of the tilings, each timed; the others "
               "launch as programmatic dependents, it does not. Times in us.", "",

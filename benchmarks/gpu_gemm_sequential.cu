@@ -225,7 +225,6 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(kSeqThreads, 1)
   gemm_sequential_body<T, true>(p);
 }
 
-
 // ----------------------------------------------------------- few rows
 constexpr int kNarrowQuarter = 128;                      // k per ring stage
 constexpr int kNarrowStageBytes = 8 * kNarrowQuarter * 2;  // 8 rows x 256 bytes

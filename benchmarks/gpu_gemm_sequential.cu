@@ -67,13 +67,6 @@ __device__ __forceinline__ void seq_arrive(std::uint32_t bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
 }
 
-template <typename T>
-__device__ __forceinline__ std::uint32_t seq_pack(float lo, float hi) {
-  const T a = from_float<T>(lo), b = from_float<T>(hi);
-  return static_cast<std::uint32_t>(*reinterpret_cast<const std::uint16_t*>(&a)) |
-         (static_cast<std::uint32_t>(*reinterpret_cast<const std::uint16_t*>(&b)) << 16);
-}
-
 // Cluster helpers (pairs): this block's rank; an arrival on the mbarrier at
 // `bar` in block `rank` of the cluster, released at CTA scope (a
 // cluster-scope release measured 3x slower, docs/kernels.md); a barrier of
@@ -205,7 +198,7 @@ __device__ __forceinline__ void gemm_sequential_body(const SeqParams& p) {
         const int m = row0 + 16 * w4 + lane / 4 + 8 * h;
         if (m >= p.m) continue;
         *reinterpret_cast<std::uint32_t*>(y + static_cast<std::int64_t>(m) * p.n + n) =
-            seq_pack<T>(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+            pack_pair<T>(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
       }
     }
   };
@@ -320,7 +313,7 @@ __global__ void __launch_bounds__(kWarps * 32) gemv_sequential_kernel(const Narr
       const int n = (first_tile + s / quarters) * 8 + 2 * c;
       if (row_ok) {
         *reinterpret_cast<std::uint32_t*>(y + static_cast<std::int64_t>(g) * p.n + n) =
-            seq_pack<T>(acc[0], acc[1]);
+            pack_pair<T>(acc[0], acc[1]);
       }
       acc[0] = acc[1] = acc[2] = acc[3] = 0.0f;
     }

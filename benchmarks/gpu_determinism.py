@@ -8,10 +8,6 @@ Figures, per mode:
   tokens the first difference;
 - batch-1 decode tok/s (128-token prompt, 256 generated);
 - offline ShareGPT-like throughput (N requests, all submitted at once).
-Deterministic mode runs three times: as by default on Hopper (its GEMM's
-tiled shape on wgmma, the split shape on mma.sync), on mma.sync only
-(TURBOMQ_INVARIANT_WGMMA=0), and with the tiled shape's k tiles loaded by
-TMA (TURBOMQ_INVARIANT_TMA=1).
 
     python benchmarks/gpu_determinism.py --out DIR [--requests 1000]
 
@@ -33,13 +29,8 @@ from gpu_engine import (GREEDY, LLAMA3_8B, ab_arguments, ab_engine, ab_speed_row
 
 from turbomq.worker import Engine, SamplingParams  # noqa: E402
 from turbomq.worker.model.llama import LlamaModel  # noqa: E402
-from turbomq.worker.model.ops import cuda as cuda_ops  # noqa: E402
 
-# (name, deterministic, the invariant GEMM's tiled shape on wgmma, and with
-# TMA loads). The split shape stays on mma.sync; deterministic mode's own
-# default is the tiled shape on wgmma on Hopper (cuda.INVARIANT_WGMMA).
-MODES = (("default", False, False, False), ("deterministic", True, True, False),
-         ("deterministic_mma_sync", True, False, False), ("deterministic_tma", True, True, True))
+MODES = (("default", False), ("deterministic", True))  # (name, deterministic)
 
 
 def invariance(engine: Engine, probes: list[list[int]], fillers: list[list[int]]) -> dict:
@@ -56,9 +47,7 @@ def invariance(engine: Engine, probes: list[list[int]], fillers: list[list[int]]
 
 
 def main() -> None:
-    args = ab_arguments(__doc__.split("\n\n")[0], lambda ap: ap.add_argument(
-        "--skip", nargs="*", default=[], choices=[m[0] for m in MODES[2:]],
-        help="deterministic variants not to run"))
+    args = ab_arguments(__doc__.split("\n\n")[0])
     cfg = LLAMA3_8B
     tensors = random_tensors(cfg)
     rng = np.random.default_rng(5)
@@ -67,11 +56,7 @@ def main() -> None:
     work = sharegpt_like(args.requests)
     results = {"device": torch.cuda.get_device_name(), "requests": args.requests,
                "ceilings": ceilings(), "modes": {}}
-    for name, deterministic, wgmma, tma in MODES:
-        if name in args.skip:
-            continue
-        cuda_ops.set_invariant_wgmma(wgmma)  # before the graphs are captured
-        cuda_ops._k.set_gemm_invariant_tma(tma)
+    for name, deterministic in MODES:
         model = LlamaModel(cfg, tensors, "cuda", torch.bfloat16, deterministic=deterministic)
         engine = ab_engine(model, args.max_batch_size, deterministic=deterministic)
         r = {"invariance": invariance(engine, probes, fillers)}
@@ -79,8 +64,6 @@ def main() -> None:
         r.update(speeds(engine, cfg, results["ceilings"], work if args.requests else [], name))
         results["modes"][name] = r
         engine.close()
-        cuda_ops.set_invariant_wgmma(cuda_ops.INVARIANT_WGMMA)
-        cuda_ops._k.set_gemm_invariant_tma(cuda_ops.INVARIANT_TMA)
         del engine, model
         gc.collect()
         torch.cuda.empty_cache()
@@ -96,9 +79,6 @@ def write_report(args, results: dict) -> None:
         f"{results['device']}; Llama-3-8B shape, random bf16 weights, bf16 KV, greedy; the same "
         "weights behind both engines, one run: `python benchmarks/gpu_determinism.py --out DIR`.",
         "",
-        "Deterministic mode as it runs by default on Hopper: its GEMM's tiled shape on "
-        "`wgmma`, the split shape (up to 64 rows) on `mma.sync`:",
-        "",
         "| figure | default | deterministic | deterministic / default |",
         "| --- | ---: | ---: | ---: |",
     ]
@@ -107,20 +87,6 @@ def write_report(args, results: dict) -> None:
                f"{inv_d['probes']}, 64 tokens) | {inv_d['differ']} |")
     lines.append(f"{changed} {inv_x['differ']} | |")
     lines += ab_speed_rows(d, x, args.requests)
-    for mode, what, label in (
-            ("deterministic_mma_sync", "its GEMM on `mma.sync` only (`TURBOMQ_INVARIANT_WGMMA=0`)",
-             "mma.sync"),
-            ("deterministic_tma", "its GEMM's tiled shape loading by TMA "
-             "(`TURBOMQ_INVARIANT_TMA=1`)", "TMA")):
-        m = results["modes"].get(mode)
-        if m is None:
-            continue
-        lines += ["", f"Deterministic mode with {what}, same run:", "",
-                  f"| figure | default | deterministic ({label}) "
-                  f"| deterministic ({label}) / default |",
-                  "| --- | ---: | ---: | ---: |",
-                  f"{changed} {m['invariance']['differ']} | |"]
-        lines += ab_speed_rows(d, m, args.requests)
     lines += ["", f"Default mode: the first difference came after {inv_d['first_difference_at']} "
               "tokens. Targets: deterministic offline >= 0.95x and batch-1 decode >= 0.97x of "
               "the default."]

@@ -84,36 +84,37 @@ void bind_cuda(py::module_& parent) {
         py::arg("v_cache"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"),
         py::arg("block_size"), py::arg("dtype"), py::arg("stream"), py::arg("w_scale") = 0);
 
-  m.attr("GEMM_INVARIANT_CHUNK") = cuda::kGemmInvariantChunk;
-  m.attr("GEMM_INVARIANT_SPLIT_MAX_ROWS") = cuda::kGemmInvariantSplitMaxRows;
-  m.attr("GEMM_INVARIANT_TILE") = cuda::kGemmInvariantTile;
   py::enum_<cuda::GemmInvariantPath>(m, "GemmInvariantPath")
       .value("AUTO", cuda::GemmInvariantPath::kAuto)
       .value("TILED", cuda::GemmInvariantPath::kTiled)
-      .value("SPLIT", cuda::GemmInvariantPath::kSplit)
-      .value("GEMV", cuda::GemmInvariantPath::kGemv);
-  m.attr("GEMM_INVARIANT_GEMV_MAX_ROWS") = cuda::kGemmInvariantGemvMaxRows;
-  m.def("gemm_invariant_gemv_fits", &cuda::gemm_invariant_gemv_fits, py::arg("rows"),
-        py::arg("k_in"));
+      .value("TRANSPOSED", cuda::GemmInvariantPath::kTransposed);
+  m.attr("GEMM_INVARIANT_TRANSPOSED_MAX_ROWS") = cuda::kGemmInvariantTransposedMaxRows;
   m.def("set_prefill_attention_wgmma", &cuda::set_prefill_attention_wgmma, py::arg("on"));
   m.def("prefill_attention_wgmma", &cuda::prefill_attention_wgmma);
   m.def("set_prefill_attention_tma", &cuda::set_prefill_attention_tma, py::arg("on"));
   m.def("prefill_attention_tma", &cuda::prefill_attention_tma);
-  m.def("set_gemm_invariant_wgmma", &cuda::set_gemm_invariant_wgmma, py::arg("tiled"),
-        py::arg("split"));
-  m.def("gemm_invariant_wgmma", &cuda::gemm_invariant_wgmma);
-  m.def("set_gemm_invariant_tma", &cuda::set_gemm_invariant_tma, py::arg("on"));
-  m.def("gemm_invariant_tma", &cuda::gemm_invariant_tma);
-  m.def("gemm_invariant_workspace", &cuda::gemm_invariant_workspace, py::arg("rows"),
-        py::arg("n_out"), py::arg("k_in"), py::arg("path") = cuda::GemmInvariantPath::kAuto);
-  m.def("gemm_invariant_counters", &cuda::gemm_invariant_counters, py::arg("rows"),
-        py::arg("n_out"), py::arg("path") = cuda::GemmInvariantPath::kAuto);
-  m.def("gemm_invariant", &cuda::gemm_invariant, py::arg("y"), py::arg("x"), py::arg("w"),
-        py::arg("rows"), py::arg("n_out"), py::arg("k_in"), py::arg("dtype"),
-        py::arg("workspace"), py::arg("workspace_bytes"), py::arg("stream"),
-        py::arg("path") = cuda::GemmInvariantPath::kAuto, py::arg("counters") = 0,
-        py::arg("residual") = 0, py::arg("silu_mul") = false, py::arg("norm_eps") = 0.0f,
-        py::arg("row_scale") = 0);
+  m.def(
+      "gemm_invariant_tiling",
+      [](std::int64_t rows, std::int64_t n_out, std::int64_t k_in, cuda::GemmInvariantPath path) {
+        const auto t = cuda::gemm_invariant_tiling(rows, n_out, k_in, path);
+        return std::make_pair(t.rows, t.cols);
+      },
+      py::arg("rows"), py::arg("n_out"), py::arg("k_in"),
+      py::arg("path") = cuda::GemmInvariantPath::kAuto);
+  m.def(
+      "gemm_invariant",
+      [](std::uintptr_t y, std::uintptr_t x, std::uintptr_t w, std::int64_t rows,
+         std::int64_t n_out, std::int64_t k_in, cuda::DType dtype, std::uintptr_t stream,
+         cuda::GemmInvariantPath path, std::uintptr_t residual, bool silu_mul, float norm_eps,
+         std::uintptr_t row_scale, int tile_rows, int tile_cols) {
+        cuda::gemm_invariant(y, x, w, rows, n_out, k_in, dtype, stream, path, residual, silu_mul,
+                             norm_eps, row_scale, {tile_rows, tile_cols});
+      },
+      py::arg("y"), py::arg("x"), py::arg("w"), py::arg("rows"), py::arg("n_out"),
+      py::arg("k_in"), py::arg("dtype"), py::arg("stream"),
+      py::arg("path") = cuda::GemmInvariantPath::kAuto, py::arg("residual") = 0,
+      py::arg("silu_mul") = false, py::arg("norm_eps") = 0.0f, py::arg("row_scale") = 0,
+      py::arg("tile_rows") = -1, py::arg("tile_cols") = 0);
 
   m.def(
       "paged_attention",

@@ -111,20 +111,18 @@ void gemv_qkv_rope(std::uintptr_t q_out, std::uintptr_t x, std::uintptr_t w, std
 // Batch-invariant GEMM (deterministic mode): y [rows, N] = x [rows, K] @
 // w[N, K]^T, fp32 accumulation, one rounding to the dtype, such that row m
 // of y is bit-identical whatever `rows` is and whatever the other rows hold.
-// K is summed in fixed chunks of kGemmInvariantChunk elements: each chunk
-// from zero by one fixed sequence of mma.m16n8k16 (k increasing), the chunk
-// sums then added in chunk order (total = c0; total += c1; ...) in fp32.
-// Three launch shapes compute exactly that: kGemv (below), kTiled (a block per output tile,
-// all of K; no workspace) and kSplit (a block per (tile, chunk), chunk sums
-// in fp32 to the workspace [chunks, rows, N], folded in order by the last
-// block of each tile when `counters` is given (int32
-// [gemm_invariant_counters(...)], zero, left zero), else by a second
-// kernel). kAuto takes kSplit for rows <= kGemmInvariantSplitMaxRows.
-// x, w, y contiguous and 16-byte aligned; N and K multiples of 8 (K need not
-// be a multiple of the chunk: the last chunk is shorter in every shape).
-// Launches sharing a workspace or counters must not run concurrently.
+// Output (m, n) is one fp32 accumulation, from zero, of the tensor-core k16
+// steps over K in increasing k; no chunk sums, no split-K. Two launch shapes
+// compute exactly that (Hopper, sm_90a): kTiled (a persistent wgmma kernel
+// whose tile follows rows) and kTransposed (at most
+// kGemmInvariantTransposedMaxRows rows: y^T = w x^T on mma.sync, a warp per
+// 16 weight rows). kAuto takes kTransposed up to that many rows.
+// `tiling` forces one (the tests compare them): {0, 32 or 64} the transposed
+// shape with 2 or 4 warps a block; {64, 128}, {128, 64}, {128, 128} or
+// {256, 128} a tiled one's rows x weight rows; rows -1: gemm_invariant_tiling.
+// x, w, y contiguous and 16-byte aligned; N and K multiples of 8.
 // With `residual` ([rows, N] contiguous, the dtype, 16-byte aligned; may be
-// y itself for an in-place add) every shape stores
+// y itself for an in-place add) the store writes
 // y = T(float(residual) + float(T(total))): bit for bit the plain launch
 // followed by an elementwise residual += y.
 // With silu_mul, w's n_out rows (a multiple of 16) are the gate rows over
@@ -132,46 +130,27 @@ void gemv_qkv_rope(std::uintptr_t q_out, std::uintptr_t x, std::uintptr_t w, std
 // the plain launch followed by silu_mul (no residual then).
 // With norm_eps > 0 (the folded RMSNorm: w's columns already multiplied by
 // the norm weight) every row's totals are multiplied by rsqrt(mean(x^2) +
-// eps) before the store, its sum of squares in one fixed order: the gemv
-// shape computes it from its copy of x; the others need `row_scale`, a
-// float32 buffer of `rows` entries that a kernel launched first fills.
+// eps) before the store, its sum of squares in one fixed order: the
+// transposed shape computes it in the block; the tiled one needs
+// `row_scale`, a float32 buffer of `rows` entries that a kernel launched
+// first fills.
 // Both shapes launch as programmatic dependents (as the GEMV, where
 // programmatic_launch() is on): the first k tiles' weights load while the
-// previous kernel finishes; x, the residual, the workspace and the counters
-// are touched only after it.
-// The chunk sums come from mma.sync by default, or from Hopper's wgmma for
-// the shapes set_gemm_invariant_wgmma(tiled, split) names. The kinds give
-// the same bits on the H100 (a GPU test holds them to it), so the shapes
-// still agree with a kind each.
-constexpr int kGemmInvariantChunk = 512;
-constexpr int kGemmInvariantSplitMaxRows = 64;
-constexpr int kGemmInvariantTile = 128;  // output columns per block; rows too above 64 rows
-enum class GemmInvariantPath : int { kAuto = 0, kTiled = 1, kSplit = 2, kGemv = 3 };
-// kGemv (a few rows; never chosen by kAuto): each block streams whole weight
-// rows through shared-memory stages, as the GEMV does, its warps computing
-// the chunks' mma sequences and the block folding them in order: the same
-// bits again, no workspace. It takes at most kGemmInvariantGemvMaxRows rows,
-// with x's rows in its shared memory (gemm_invariant_gemv_fits).
-constexpr int kGemmInvariantGemvMaxRows = 16;
-constexpr int kGemmInvariantGemvSmemBytes = 219 * 1024;
-bool gemm_invariant_gemv_fits(std::int64_t rows, std::int64_t k_in);
-// Workspace bytes the launch needs (0 for kTiled), and the number of counters.
-std::int64_t gemm_invariant_workspace(std::int64_t rows, std::int64_t n_out, std::int64_t k_in,
-                                      GemmInvariantPath path = GemmInvariantPath::kAuto);
-std::int64_t gemm_invariant_counters(std::int64_t rows, std::int64_t n_out,
-                                     GemmInvariantPath path = GemmInvariantPath::kAuto);
-void set_gemm_invariant_wgmma(bool tiled, bool split);
-std::pair<bool, bool> gemm_invariant_wgmma();  // (tiled, split)
-// The tiled shape on wgmma with its k tiles loaded by TMA instead of cp.async
-// (the same shared-memory layout, so the same bits); off by default.
-void set_gemm_invariant_tma(bool on);
-bool gemm_invariant_tma();
+// previous kernel finishes; x and the residual are read only after it.
+constexpr int kGemmInvariantTransposedMaxRows = 8;
+enum class GemmInvariantPath : int { kAuto = 0, kTiled = 1, kTransposed = 2 };
+struct GemmInvariantTiling {
+  int rows;  // tile rows (64, 128, 256); 0: the transposed shape; -1: choose
+  int cols;  // tile weight rows (64, 128); transposed: 32 or 64 (2 or 4 warps)
+};
+GemmInvariantTiling gemm_invariant_tiling(std::int64_t rows, std::int64_t n_out,
+                                          std::int64_t k_in,
+                                          GemmInvariantPath path = GemmInvariantPath::kAuto);
 void gemm_invariant(std::uintptr_t y, std::uintptr_t x, std::uintptr_t w, std::int64_t rows,
-                    std::int64_t n_out, std::int64_t k_in, DType dtype, std::uintptr_t workspace,
-                    std::int64_t workspace_bytes, std::uintptr_t stream,
+                    std::int64_t n_out, std::int64_t k_in, DType dtype, std::uintptr_t stream,
                     GemmInvariantPath path = GemmInvariantPath::kAuto,
-                    std::uintptr_t counters = 0, std::uintptr_t residual = 0,
-                    bool silu_mul = false, float norm_eps = 0.0f, std::uintptr_t row_scale = 0);
+                    std::uintptr_t residual = 0, bool silu_mul = false, float norm_eps = 0.0f,
+                    std::uintptr_t row_scale = 0, GemmInvariantTiling tiling = {-1, 0});
 
 // Per-row FP8 (E4M3) quantization of x [rows, hidden] (rows x_stride elements
 // apart, 16-byte aligned; hidden a multiple of 8), after rms_norm(x,

@@ -51,13 +51,13 @@ def test_cpu_tensors_fall_back_to_reference():
 
 
 def test_linear_invariant_reference_and_cpu_fallback():
-    """The chunked reference of the batch-invariant GEMM is x @ w.T (a short
-    last chunk included), and CPU tensors go to it."""
+    """The reference of the batch-invariant GEMM is x @ w.T (one float32
+    accumulation, one rounding), and CPU tensors go to it."""
     from turbomq.worker.model.ops import cuda as cuda_ops
     from turbomq.worker.model.ops import reference as ref
 
     g = torch.Generator().manual_seed(0)
-    k = 2 * ref.INVARIANT_CHUNK + 8
+    k = 1032
     x = torch.randn(2, 3, k, generator=g)
     w = torch.randn(24, k, generator=g)
     got = ref.linear_invariant(x, w)
@@ -78,7 +78,7 @@ def test_linear_invariant_residual_reference_and_cpu_fallback():
     from turbomq.worker.model.ops.invariant import InvariantOps
 
     g = torch.Generator().manual_seed(1)
-    k = ref.INVARIANT_CHUNK + 64
+    k = 576
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         x = torch.randn(2, 3, k, generator=g).to(dtype)
         w = (torch.randn(40, k, generator=g) * 0.05).to(dtype)
@@ -102,7 +102,7 @@ def test_linear_invariant_silu_cpu_fallback():
     from turbomq.worker.model.ops.invariant import InvariantOps
 
     g = torch.Generator().manual_seed(2)
-    k = ref.INVARIANT_CHUNK + 64
+    k = 576
     for dtype in (torch.bfloat16, torch.float32):
         x = torch.randn(2, 3, k, generator=g).to(dtype)
         w = (torch.randn(48, k, generator=g) * 0.05).to(dtype)

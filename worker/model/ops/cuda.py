@@ -108,25 +108,6 @@ PREFILL_WGMMA = _on_hopper("TURBOMQ_PREFILL_WGMMA")
 # 8k causal (docs/benchmarks/kernels_prefill.md). TURBOMQ_PREFILL_TMA=0
 # keeps cp.async.
 PREFILL_TMA = _on_hopper("TURBOMQ_PREFILL_TMA")
-# linear_invariant's tiled launch shape on Hopper's wgmma, the split shape
-# (at most INVARIANT_SPLIT_MAX_ROWS rows) on mma.sync: the faster kind of
-# each (docs/benchmarks/gemm_invariant.md). The two kinds give the same bits
-# on the H100 (tests/gpu/test_batch_invariant_gemm.py holds the GPU to it),
-# so the mix stays batch-invariant. TURBOMQ_INVARIANT_WGMMA=0: mma.sync only.
-INVARIANT_WGMMA = _on_hopper("TURBOMQ_INVARIANT_WGMMA")
-# The tiled shape on wgmma with its k tiles loaded by TMA (the same bits as
-# cp.async); TURBOMQ_INVARIANT_TMA=1 turns it on. Off: faster alone at
-# prefill sizes, 2-4% slower on the deterministic offline run (docs/determinism.md).
-INVARIANT_TMA = os.environ.get("TURBOMQ_INVARIANT_TMA", "0") == "1"
-
-
-def set_invariant_wgmma(tiled: bool, split: bool = False) -> None:
-    """Which launch shapes of linear_invariant run on wgmma (the others on
-    mma.sync; by default the split shape stays on mma.sync); set before CUDA
-    graphs are captured."""
-    _k.set_gemm_invariant_wgmma(tiled, split)
-
-
 def unavailable_reason() -> Optional[str]:
     """Why the native kernels cannot run here, or None when they can."""
     if _IMPORT_ERROR is not None:
@@ -148,8 +129,6 @@ if _k is not None:
     _k.set_programmatic_launch(os.environ.get("TURBOMQ_PDL", "1") != "0")
     # and of paged attention (TURBOMQ_ATTENTION_PDL=0: attention alone off)
     _k.set_attention_programmatic(ATTENTION_PDL)
-    set_invariant_wgmma(INVARIANT_WGMMA)
-    _k.set_gemm_invariant_tma(INVARIANT_TMA)
     _k.set_prefill_attention_wgmma(PREFILL_WGMMA)
     _k.set_prefill_attention_tma(PREFILL_TMA)
     _DTYPES = {torch.float16: _k.DType.F16, torch.bfloat16: _k.DType.BF16,
@@ -790,77 +769,29 @@ def _launch_attention(out, q, kv, batch, scale, tiles, num_tiles, part_size, par
 # ------------------------------------------------ batch-invariant linear
 # linear_invariant (deterministic mode) runs native/cuda/gemm_invariant.cu:
 # row m of the result is bit-identical whatever the number of rows and
-# whatever the other rows hold. Three launch shapes give the same bits, so the
-# choice among them is one of speed and memory only:
-# - split (a block per (column tile, K chunk), the chunk sums folded in
-#   order): the weights are read once by enough blocks to fill the GPU. For
-#   inputs of at most INVARIANT_SPLIT_MAX_ROWS rows, and, while the tiled
-#   shape runs on mma.sync, for larger ones whose tiled grid would leave
-#   multiprocessors idle (under one block per SM; on wgmma the tiled shape
-#   is faster there too);
-# - tiled (a block per output tile over all of K): everything else, and any
-#   input whose chunk sums would need more than INVARIANT_MAX_WORKSPACE bytes
-#   (the LM head at 64 rows: its 1002 column tiles fill the GPU anyway).
-# - gemv (a block per few tiles of 8 weight rows, all of K streamed through
-#   shared-memory stages as the default GEMV streams it, the chunk sums folded
-#   in the block): before the others, inputs of at most
-#   INVARIANT_GEMV_MAX_ROWS rows whose x fits its shared memory (decode at
-#   small batch).
-# TURBOMQ_INVARIANT_SPLIT_MAX_ROWS and TURBOMQ_INVARIANT_GEMV_MAX_ROWS
-# override the row limits.
-INVARIANT_SPLIT_MAX_ROWS = int(os.environ.get("TURBOMQ_INVARIANT_SPLIT_MAX_ROWS", "64"))
-INVARIANT_GEMV_MAX_ROWS = int(os.environ.get("TURBOMQ_INVARIANT_GEMV_MAX_ROWS", "1"))
-INVARIANT_MAX_WORKSPACE = 64 << 20
-
-_WORKSPACES: dict[int, torch.Tensor] = {}
-
-
-def _workspace(device: torch.device, nbytes: int) -> torch.Tensor:
-    """Scratch of >= nbytes (float32) for the split shape's chunk sums, one per
-    device. Outgrown buffers stay alive for graphs that captured them; one
-    that would have to grow during a capture is replaced, for that launch
-    only, by a fresh buffer from the graph's pool."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    buf = _WORKSPACES.get(index)
-    if buf is not None and buf.numel() * 4 >= nbytes:
-        return buf
-    fresh = torch.empty(max(1, -(-nbytes // 4)), dtype=torch.float32, device=device)
-    if torch.cuda.is_current_stream_capturing():
-        return fresh
-    if buf is not None:
-        _RETIRED.append(buf)
-    _WORKSPACES[index] = fresh
-    return fresh
-
-
-def _invariant_path(path: Optional[str], rows: int, n_out: int, k_in: int,
-                    device: torch.device):
-    if path is None and rows <= INVARIANT_GEMV_MAX_ROWS and _k.gemm_invariant_gemv_fits(rows, k_in):
-        path = "gemv"
-    if path is None:
-        split = _k.GemmInvariantPath.SPLIT
-        tile = _k.GEMM_INVARIANT_TILE
-        fits = _k.gemm_invariant_workspace(rows, n_out, k_in, split) <= INVARIANT_MAX_WORKSPACE
-        idle = (not _k.gemm_invariant_wgmma()[0]  # the tiled shape on mma.sync
-                and -(-rows // tile) * -(-n_out // tile) < _sm_count(device))
-        path = "split" if fits and (rows <= INVARIANT_SPLIT_MAX_ROWS or idle) else "tiled"
-    if path not in ("split", "tiled", "gemv"):
-        raise ValueError(f"path must be 'split', 'tiled', 'gemv' or None, not {path!r}")
-    return getattr(_k.GemmInvariantPath, path.upper())
+# whatever the other rows hold. Every output is one float32 accumulation of
+# the tensor-core k16 steps over K in increasing k, so any tiling gives the
+# same bits and the tile follows the number of rows (gemm_invariant_tiling):
+# - transposed (up to GEMM_INVARIANT_TRANSPOSED_MAX_ROWS rows: decode at
+#   small batch): y^T = w x^T on mma.sync, a warp per 16 weight rows;
+# - tiled: a persistent wgmma kernel, tiles of 64 x 128 to 256 x 128.
+_TILINGS = {None: (-1, 0), "transposed": (0, 32), "transposed4": (0, 64),
+            "64x128": (64, 128), "128x64": (128, 64), "128x128": (128, 128),
+            "256x128": (256, 128)}
 
 
 def linear_invariant(x: torch.Tensor, weight: torch.Tensor, *,
-                     out: Optional[torch.Tensor] = None, path: Optional[str] = None,
-                     fused_fold: bool = True, residual: Optional[torch.Tensor] = None,
+                     out: Optional[torch.Tensor] = None, tiling: Optional[str] = None,
+                     residual: Optional[torch.Tensor] = None,
                      silu: bool = False, norm_eps: Optional[float] = None) -> torch.Tensor:
-    """As reference.linear_invariant (x @ weight.T, K summed in fixed chunks
-    in a fixed order), batch-invariant bit for bit. `path` forces the launch
-    shape ("split", "tiled" or "gemv"; all give the same bits); `fused_fold=False`
-    folds the split shape's chunk sums in a second kernel instead of in the
-    last block of each tile. Inputs the kernel does not take (not 16-bit, N
-    or K not a multiple of 8, weight not contiguous and 16-byte aligned, CPU
-    tensors) go to the reference; that choice depends on the weight and the
-    dtype only, never on the number of rows.
+    """As reference.linear_invariant (x @ weight.T, every output one float32
+    accumulation over K in increasing k), batch-invariant bit for bit.
+    `tiling` forces a launch shape (a key of _TILINGS: "transposed" takes
+    at most GEMM_INVARIANT_TRANSPOSED_MAX_ROWS rows; all give the same bits).
+    Inputs the kernel does not take (not 16-bit, N or K not a multiple of 8,
+    weight not contiguous and 16-byte aligned, CPU tensors) go to the
+    reference; that choice depends on the weight and the dtype only, never
+    on the number of rows.
 
     With `residual` (shape x.shape[:-1] + (N,), x's dtype) the result is added
     into it in place and residual is returned, bit for bit as
@@ -875,10 +806,10 @@ def linear_invariant(x: torch.Tensor, weight: torch.Tensor, *,
     the separate silu_mul). It excludes `residual`.
 
     With `norm_eps`, the folded RMSNorm as reference.linear_invariant has it
-    (weight's columns already multiplied by the norm weight): every shape
-    scales a row's totals by rsqrt(mean(x^2) + eps) in its store, the sum of
-    squares in one fixed order; the gemv shape computes it from its own copy
-    of x, the others take it from a small kernel launched first."""
+    (weight's columns already multiplied by the norm weight): both shapes
+    scale a row's totals by rsqrt(mean(x^2) + eps) in their store, the sum of
+    squares in one fixed order; the transposed shape computes it itself, the
+    tiled one takes it from a small kernel launched first."""
     if residual is not None and out is not None:
         raise ValueError("linear_invariant: pass out or residual, not both")
     if silu and residual is not None:
@@ -894,16 +825,14 @@ def linear_invariant(x: torch.Tensor, weight: torch.Tensor, *,
             return y if out is None else out.copy_(y)
         return reference.linear_invariant(x, weight, residual=residual, norm_eps=norm_eps)
     if silu and n_out % 16 != 0:
-        y = silu_mul(linear_invariant(x, weight, path=path, fused_fold=fused_fold,
-                                      norm_eps=norm_eps))
+        y = silu_mul(linear_invariant(x, weight, tiling=tiling, norm_eps=norm_eps))
         return y if out is None else out.copy_(y)
     rows = x.numel() // k_in
     shape = (*x.shape[:-1], n_out // 2 if silu else n_out)
     if residual is not None and not (residual.dtype == x.dtype and residual.shape == shape
                                      and residual.is_contiguous()
                                      and residual.data_ptr() % 16 == 0):
-        return residual.add_(linear_invariant(x, weight, path=path, fused_fold=fused_fold,
-                                              norm_eps=norm_eps))
+        return residual.add_(linear_invariant(x, weight, tiling=tiling, norm_eps=norm_eps))
     if rows == 0:
         return residual if residual is not None else torch.empty(shape, dtype=x.dtype,
                                                                  device=x.device)
@@ -914,22 +843,22 @@ def linear_invariant(x: torch.Tensor, weight: torch.Tensor, *,
     if y is None or not (y.dtype == x.dtype and y.is_contiguous() and y.shape == shape
                          and y.data_ptr() % 16 == 0):
         y = torch.empty(shape, dtype=x.dtype, device=x.device)
-    kind = _invariant_path(path, rows, n_out, k_in, x.device)
-    nbytes = _k.gemm_invariant_workspace(rows, n_out, k_in, kind)
-    ws = _workspace(x.device, nbytes) if nbytes else None
-    counters = None
-    if nbytes and fused_fold:
-        counters = _counters(x.device, _k.gemm_invariant_counters(rows, n_out, kind))
-    scales = None  # the folded norm's row scales, outside the gemv shape
-    if norm_eps is not None and kind != _k.GemmInvariantPath.GEMV:
-        scales = torch.empty(rows, dtype=torch.float32, device=x.device)
+    if tiling not in _TILINGS:
+        raise ValueError(f"tiling must be one of {sorted(t for t in _TILINGS if t)} or None, "
+                         f"not {tiling!r}")
     with _on_device(x):
+        tile_rows, tile_cols = _TILINGS[tiling]
+        if tile_rows == -1:
+            tile_rows, tile_cols = _k.gemm_invariant_tiling(rows, n_out, k_in)
+        scales = None  # the folded norm's row scales, for the tiled shape
+        if norm_eps is not None and tile_rows != 0:
+            scales = torch.empty(rows, dtype=torch.float32, device=x.device)
         _k.gemm_invariant(y.data_ptr(), x2.data_ptr(), weight.data_ptr(), rows, n_out, k_in,
-                          _DTYPES[x.dtype], 0 if ws is None else ws.data_ptr(), nbytes,
-                          _stream(x), kind, 0 if counters is None else counters.data_ptr(),
-                          0 if residual is None else residual.data_ptr(), silu,
-                          0.0 if norm_eps is None else float(norm_eps),
-                          0 if scales is None else scales.data_ptr())
+                          _DTYPES[x.dtype], _stream(x),
+                          residual=0 if residual is None else residual.data_ptr(), silu_mul=silu,
+                          norm_eps=0.0 if norm_eps is None else float(norm_eps),
+                          row_scale=0 if scales is None else scales.data_ptr(),
+                          tile_rows=tile_rows, tile_cols=tile_cols)
     if out is not None and y is not out:
         out.copy_(y)
         return out

@@ -78,32 +78,23 @@ def linear(x: torch.Tensor, weight: torch.Tensor, *,
     return y
 
 
-# K elements per chunk of linear_invariant's reduction (the native kernel's
-# GEMM_INVARIANT_CHUNK).
-INVARIANT_CHUNK = 512
-
-
 def linear_invariant(x: torch.Tensor, weight: torch.Tensor, *,
                      residual: Optional[torch.Tensor] = None,
                      norm_eps: Optional[float] = None) -> torch.Tensor:
-    """x @ weight.T summed in the order of the batch-invariant GEMM
-    (native/cuda/gemm_invariant.cu): K in chunks of INVARIANT_CHUNK, each
-    chunk's sum in float32, the chunk sums added in chunk order, one rounding
-    to x's dtype. Within a chunk the order is the matmul's own, so this agrees
-    with the kernel to float32 noise, not bit for bit. With `residual`, the
-    result is added into it in place (residual.add_(y), y rounded first) and
-    residual is returned. With `norm_eps`, the folded RMSNorm (weight's
-    columns already carry the norm weight, ops/invariant.py): each row's
-    total times rsqrt(mean(x^2) + norm_eps) before the rounding."""
+    """x @ weight.T as the batch-invariant GEMM defines it
+    (native/cuda/gemm_invariant.cu): every output one float32 accumulation
+    over K, rounded once to x's dtype. The order within K is the matmul's
+    own, so this agrees with the kernel to float32 noise, not bit for bit.
+    With `residual`, the result is added into it in place (residual.add_(y),
+    y rounded first) and residual is returned. With `norm_eps`, the folded
+    RMSNorm (weight's columns already carry the norm weight,
+    ops/invariant.py): each row's total times rsqrt(mean(x^2) + norm_eps)
+    before the rounding."""
     if residual is not None:
         return residual.add_(linear_invariant(x, weight, norm_eps=norm_eps))
     k = x.shape[-1]
     xf = x.reshape(-1, k).float()
-    wf = weight.float()
-    total = torch.zeros((xf.shape[0], weight.shape[0]), dtype=torch.float32, device=x.device)
-    for s in range(0, k, INVARIANT_CHUNK):
-        part = xf[:, s:s + INVARIANT_CHUNK] @ wf[:, s:s + INVARIANT_CHUNK].T
-        total = part if s == 0 else total + part
+    total = xf @ weight.float().T
     if norm_eps is not None:
         total = total * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + norm_eps)
     return total.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])

@@ -62,6 +62,8 @@ def bench_shape(name: str, n: int, k: int, rows_list: list[int]) -> list[dict]:
     copies = max(1, math.ceil(ROTATE_BYTES / (2 * n * k)))
     ws = [torch.randn((n, k), device=DEV, dtype=DTYPE) * 0.02 for _ in range(copies)]
     out = []
+    x = torch.randn((rows_list[0], k), device=DEV, dtype=DTYPE)
+    gpu_kernels.time_graph(lambda i: cuda_ops.linear_invariant(x, ws[i % copies]), copies, 3)  # warm-up
     for m in rows_list:
         x = torch.randn((m, k), device=DEV, dtype=DTYPE)
         calls = plan_calls(m, n, k, copies)

@@ -532,17 +532,16 @@ void gemm_invariant(std::uintptr_t y, std::uintptr_t x, std::uintptr_t w, std::i
   check_shape(rows, n_out, k_in);
   require(x % 16 == 0 && w % 16 == 0 && y % 16 == 0,
           "gemm_invariant: x, w and y must be 16-byte aligned");
-  require(path != GemmInvariantPath::kTransposed || rows <= kGemmInvariantTransposedMaxRows,
-          "gemm_invariant: the transposed shape takes at most " +
-              std::to_string(kGemmInvariantTransposedMaxRows) + " rows");
   require(residual % 16 == 0, "gemm_invariant: residual must be 16-byte aligned");
   require(!silu_mul || (n_out % 16 == 0 && residual == 0),
           "gemm_invariant: silu_mul needs N a multiple of 16 and no residual");
   require(norm_eps >= 0.0f, "gemm_invariant: norm_eps must be >= 0");
   if (tiling.rows == -1) tiling = gemm_invariant_tiling(rows, n_out, k_in, path);
   const bool transposed = tiling.rows == 0;
-  require(transposed ? rows <= kGemmInvariantTransposedMaxRows && (tiling.cols == 32 ||
-                                                                   tiling.cols == 64)
+  require(!transposed || rows <= kGemmInvariantTransposedMaxRows,
+          "gemm_invariant: the transposed shape takes at most " +
+              std::to_string(kGemmInvariantTransposedMaxRows) + " rows");
+  require(transposed ? tiling.cols == 32 || tiling.cols == 64
                      : (tiling.rows == 64 && tiling.cols == 128) ||
                            (tiling.rows == 128 && (tiling.cols == 64 || tiling.cols == 128)) ||
                            (tiling.rows == 256 && tiling.cols == 128),

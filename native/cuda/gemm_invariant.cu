@@ -388,6 +388,20 @@ __global__ void __launch_bounds__(Transposed<kWarps, kStages>::kThreads)
   }
 
   grid_dependency_wait();  // x (the norm's sums) and the residual
+  // The folded norm's row sums, in row_sq_sum's order: the 128 threads of
+  // gemm_row_scale_kernel are 4 virtual warps, shared among the kWarps. Done
+  // first, from L2, while the producer's first weight stages stream in.
+  __shared__ float warp_sums[8][4];
+  if (p.norm_eps > 0.0f) {
+    for (int m = 0; m < p.m; ++m) {
+      const T* row = static_cast<const T*>(p.x) + static_cast<std::int64_t>(m) * p.k;
+      for (int v = warp; v < 4; v += kWarps) {
+        const float sq = row_sq_sum(row, p.k, 32 * v + lane);
+        if (lane == 0) warp_sums[m][v] = sq;
+      }
+    }
+    asm volatile("bar.sync 1, %0;" ::"n"(kWarps * 32) : "memory");  // the consumer warps
+  }
   // ldmatrix addresses. A's four 8 x 8 matrices: (rows 0-7, 8-15) x (k
   // chunks 2 ks, 2 ks + 1), lane l giving row l % 8 of matrix l / 8. x's:
   // its 8 rows at chunks 4 pair .. 4 pair + 3, two k16 steps' B.
@@ -415,19 +429,6 @@ __global__ void __launch_bounds__(Transposed<kWarps, kStages>::kThreads)
     if (lane == 0) mbarrier_arrive(ring.empty + 8 * s);
   }
 
-  // The folded norm's row scales, in row_sq_sum's order: the 128 threads of
-  // gemm_row_scale_kernel are 4 virtual warps, shared among the kWarps.
-  __shared__ float warp_sums[8][4];
-  if (p.norm_eps > 0.0f) {
-    for (int m = 0; m < p.m; ++m) {
-      for (int v = warp; v < 4; v += kWarps) {
-        const float sq = row_sq_sum(static_cast<const T*>(p.x) + static_cast<std::int64_t>(m) * p.k,
-                                    p.k, 32 * v + lane);
-        if (lane == 0) warp_sums[m][v] = sq;
-      }
-    }
-    asm volatile("bar.sync 1, %0;" ::"n"(kWarps * 32) : "memory");  // the consumer warps
-  }
   // The m16n8 accumulator: rows (weight rows) lane / 4 and + 8, columns (x
   // rows) 2 (lane % 4) and + 1.
   T* y = static_cast<T*>(p.y);

@@ -333,11 +333,15 @@ __global__ void __launch_bounds__(Tile<kMT, kNT, kWG, kStages>::kThreads, 1)
 }
 
 // ------------------------------------------------------- transposed shape
+// A stage holds two 64-wide k tiles (each: the block's weight rows, then
+// x's 8 rows): each weight row's 256 contiguous bytes are asked for at once,
+// and the ring's hand-overs cost half as much a byte.
 template <int kWarps, int kStages>
 struct Transposed {
   static constexpr int kWRows = 16 * kWarps;  // weight rows a block
   static constexpr int kWBytes = kWRows * kRowBytes;
-  static constexpr int kStageBytes = kWBytes + 8 * kRowBytes;  // + x's 8 rows
+  static constexpr int kHalfBytes = kWBytes + 8 * kRowBytes;  // + x's 8 rows
+  static constexpr int kStageBytes = 2 * kHalfBytes;
   static constexpr int kSmemBytes = 1024 + kStages * kStageBytes + ring_barrier_bytes(kStages);
   static constexpr int kThreads = (kWarps + 1) * 32;
 };
@@ -361,27 +365,36 @@ __global__ void __launch_bounds__(Transposed<kWarps, kStages>::kThreads)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int row0 = p.inter ? 8 * kWarps * blockIdx.x : S::kWRows * blockIdx.x;
 
+  const int stages = (p.k_tiles + 1) / 2;  // of two k tiles; past K, TMA reads zeros
   if (warp == kWarps) {
     if (lane != 0) return;
-    const auto load_w = [&](std::uint32_t st, int kt, std::uint32_t bar) {
-      tma_load_2d(st, &p.w_map, kt * kBK, row0, bar);
-      if (p.inter) tma_load_2d(st + S::kWBytes / 2, &p.w_map, kt * kBK, p.inter + row0, bar);
+    const auto load_w = [&](std::uint32_t st, int ks, std::uint32_t bar) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const std::uint32_t dst = st + h * S::kHalfBytes;
+        const int k0 = (2 * ks + h) * kBK;
+        tma_load_2d(dst, &p.w_map, k0, row0, bar);
+        if (p.inter) tma_load_2d(dst + S::kWBytes / 2, &p.w_map, k0, p.inter + row0, bar);
+      }
     };
-    const int early = min(kStages, p.k_tiles);
-    for (int kt = 0; kt < early; ++kt) {
-      mbarrier_expect_bytes(ring.full + 8 * kt, S::kStageBytes);
-      load_w(base + kt * S::kStageBytes, kt, ring.full + 8 * kt);
+    const int early = min(kStages, stages);
+    for (int ks = 0; ks < early; ++ks) {
+      mbarrier_expect_bytes(ring.full + 8 * ks, S::kStageBytes);
+      load_w(base + ks * S::kStageBytes, ks, ring.full + 8 * ks);
     }
     grid_dependency_wait();
-    for (int kt = 0; kt < p.k_tiles; ++kt) {
-      const int s = kt % kStages;
+    for (int ks = 0; ks < stages; ++ks) {
+      const int s = ks % kStages;
       const std::uint32_t st = base + s * S::kStageBytes, full = ring.full + 8 * s;
-      if (kt >= early) {
-        mbarrier_wait(ring.empty + 8 * s, (kt / kStages - 1) & 1);
+      if (ks >= early) {
+        mbarrier_wait(ring.empty + 8 * s, (ks / kStages - 1) & 1);
         mbarrier_expect_bytes(full, S::kStageBytes);
-        load_w(st, kt, full);
+        load_w(st, ks, full);
       }
-      tma_load_2d(st + S::kWBytes, &p.x_map, kt * kBK, 0, full);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        tma_load_2d(st + h * S::kHalfBytes + S::kWBytes, &p.x_map, (2 * ks + h) * kBK, 0, full);
+      }
     }
     launch_dependents();
     return;
@@ -410,19 +423,24 @@ __global__ void __launch_bounds__(Transposed<kWarps, kStages>::kThreads)
                             : 16 * warp + a_mat_row;
   const int a_chunk = lane / 16;
   float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-  for (int kt = 0; kt < p.k_tiles; ++kt) {
-    const int s = kt % kStages;
-    mbarrier_wait(ring.full + 8 * s, (kt / kStages) & 1);
-    const std::uint32_t st = base + s * S::kStageBytes;
+  for (int ks = 0; ks < stages; ++ks) {
+    const int s = ks % kStages;
+    mbarrier_wait(ring.full + 8 * s, (ks / kStages) & 1);
 #pragma unroll
-    for (int pair = 0; pair < 2; ++pair) {
-      std::uint32_t bx[4];
-      ldmatrix_x4(bx, st + S::kWBytes + swizzled(lane % 8, 4 * pair + lane / 8));
+    for (int half = 0; half < 2; ++half) {
+      // A k tile past K adds no step (zeros would turn a -0 total into +0).
+      if (2 * ks + half >= p.k_tiles) break;
+      const std::uint32_t st = base + s * S::kStageBytes + half * S::kHalfBytes;
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        std::uint32_t a[4];
-        ldmatrix_x4(a, st + swizzled(a_row, 2 * (2 * pair + h) + a_chunk));
-        mma_m16n8k16<T>(acc, a, bx[2 * h], bx[2 * h + 1]);
+      for (int pair = 0; pair < 2; ++pair) {
+        std::uint32_t bx[4];
+        ldmatrix_x4(bx, st + S::kWBytes + swizzled(lane % 8, 4 * pair + lane / 8));
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          std::uint32_t a[4];
+          ldmatrix_x4(a, st + swizzled(a_row, 2 * (2 * pair + h) + a_chunk));
+          mma_m16n8k16<T>(acc, a, bx[2 * h], bx[2 * h + 1]);
+        }
       }
     }
     __syncwarp();
@@ -489,10 +507,10 @@ void check_shape(std::int64_t rows, std::int64_t n_out, std::int64_t k_in) {
 
 template <typename T>
 void dispatch(Params& p, const GemmInvariantTiling& t, DType dtype, cudaStream_t stream) {
-  if (t.rows == 0) {  // transposed: (warps, stages) by K (H100: 4 x 12 at K = 14336)
+  if (t.rows == 0) {  // transposed: 2 or 4 warps (H100: 4 at K = 14336)
     p.x_map = transient_tensor_map_2d(reinterpret_cast<std::uintptr_t>(p.x), p.m, p.k, dtype, 8);
-    return t.cols == 64 ? launch_transposed<T, 4, 12>(p, stream)
-                        : launch_transposed<T, 2, 16>(p, stream);
+    return t.cols == 64 ? launch_transposed<T, 4, 6>(p, stream)
+                        : launch_transposed<T, 2, 8>(p, stream);
   }
   if (t.rows == 64) return launch_tiled<T, 64, 128, 1, 8>(p, dtype, stream);
   if (t.rows == 256) return launch_tiled<T, 256, 128, 2, 4>(p, dtype, stream);
@@ -564,7 +582,8 @@ void gemm_invariant(std::uintptr_t y, std::uintptr_t x, std::uintptr_t w, std::i
   // The weights' boxes: a tile's or block's rows, halved with silu (its gate
   // rows, then its up rows).
   const int box = transposed ? 16 * (tiling.cols == 64 ? 4 : 2) : tiling.cols;
-  p.w_map = tensor_map_2d(w, p.n_w, p.k, dtype, silu_mul ? box / 2 : box);
+  // streamed once along k: L2 fetches 256 bytes a row
+  p.w_map = tensor_map_2d(w, p.n_w, p.k, dtype, silu_mul ? box / 2 : box, /*l2_256=*/true);
   cudaStream_t s = as_stream(stream);
   if (norm_eps > 0.0f && !transposed) {
     auto* scales = reinterpret_cast<float*>(row_scale);

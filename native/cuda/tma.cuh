@@ -59,9 +59,11 @@ __device__ __forceinline__ void tma_load_2d(std::uint32_t dst, const CUtensorMap
 
 // A 2D tensor map over `rows` rows of `cols` 16-bit elements (rows 2 cols
 // bytes apart) at `base`, boxes of 64 x `box_rows` elements (128-byte rows,
-// the 128-byte swizzle); elements past the tensor read as zeros.
+// the 128-byte swizzle); elements past the tensor read as zeros. l2_256:
+// a load asks L2 for 256 bytes around each 128-byte row (rows streamed
+// once, along k: the next box's half arrives with this one).
 inline CUtensorMap encode_tensor_map_2d(std::uintptr_t base, std::uint64_t rows, int cols,
-                                        DType dtype, int box_rows) {
+                                        DType dtype, int box_rows, bool l2_256 = false) {
   static PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
   if (encode == nullptr) {
     cudaDriverEntryPointQueryResult status;
@@ -81,33 +83,35 @@ inline CUtensorMap encode_tensor_map_2d(std::uintptr_t base, std::uint64_t rows,
   const CUresult r = encode(
       &map, dtype == DType::kF16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
       2, reinterpret_cast<void*>(base), dims, strides, box, element_strides,
-      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+      l2_256 ? CU_TENSOR_MAP_L2_PROMOTION_L2_256B : CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
       CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   require(r == CUDA_SUCCESS, "tensor map: cuTensorMapEncodeTiled failed");
   return map;
 }
 
 using TensorMapCache =
-    std::map<std::tuple<std::uintptr_t, std::uint64_t, int, int, int>, CUtensorMap>;
+    std::map<std::tuple<std::uintptr_t, std::uint64_t, int, int, int, bool>, CUtensorMap>;
 
-// The map of (base, rows, cols, dtype, box rows) from `cache`, encoded on a
-// miss; the cache is emptied first when it holds `bound` maps.
+// The map of (base, rows, cols, dtype, box rows, l2_256) from `cache`,
+// encoded on a miss; the cache is emptied first when it holds `bound` maps.
 inline const CUtensorMap& cached_tensor_map_2d(TensorMapCache& cache, std::size_t bound,
                                                std::uintptr_t base, std::uint64_t rows, int cols,
-                                               DType dtype, int box_rows) {
-  const auto key = std::make_tuple(base, rows, cols, static_cast<int>(dtype), box_rows);
+                                               DType dtype, int box_rows, bool l2_256 = false) {
+  const auto key = std::make_tuple(base, rows, cols, static_cast<int>(dtype), box_rows, l2_256);
   const auto found = cache.find(key);
   if (found != cache.end()) return found->second;
   if (cache.size() >= bound) cache.clear();
-  return cache.emplace(key, encode_tensor_map_2d(base, rows, cols, dtype, box_rows)).first->second;
+  return cache.emplace(key, encode_tensor_map_2d(base, rows, cols, dtype, box_rows, l2_256))
+      .first->second;
 }
 
 // For tensors that stay where they are (the KV pool, weights): every map
 // kept, so the reference stays valid.
 inline const CUtensorMap& tensor_map_2d(std::uintptr_t base, std::uint64_t rows, int cols,
-                                        DType dtype, int box_rows = 64) {
+                                        DType dtype, int box_rows = 64, bool l2_256 = false) {
   static TensorMapCache cache;
-  return cached_tensor_map_2d(cache, SIZE_MAX, base, rows, cols, dtype, box_rows);
+  return cached_tensor_map_2d(cache, SIZE_MAX, base, rows, cols, dtype, box_rows, l2_256);
 }
 
 // For activations, returned by value: their buffers come and go (the

@@ -3,8 +3,9 @@ op signatures the model calls, each row's result bit for bit independent
 of the other rows in the step, of how many there are, and of whether its
 token is computed in a prefill chunk or a decode step.
 
-- linear: the batch-invariant GEMM (K in fixed chunks summed in a fixed
-  order; the same sums for one row or thousands), with silu_mul or the
+- linear: the batch-invariant GEMM (every output one float32 accumulation
+  over K in increasing k; the same sums for one row or thousands, whatever
+  the tile), with silu_mul or the
   residual add in the GEMM's store (on CUDA; bit for bit the separate
   kernel): the fused decode GEMVs reduce in another order than the GEMM, so
   a token would come out differently decoded than prefilled. The norm in

@@ -289,7 +289,9 @@ __global__ void __launch_bounds__(Tile<kMT, kNT, kWG, kStages>::kThreads, 1)
       wgmma_commit();
       wgmma_wait<1>();
       // The previous k tile's MMAs are done: its stage is free.
-      if (kt > 0 && threadIdx.x % 128 == 0) mbarrier_arrive(ring.empty + 8 * ((step - 1) % kStages));
+      if (kt > 0 && threadIdx.x % 128 == 0) {
+        mbarrier_arrive(ring.empty + 8 * ((step - 1) % kStages));
+      }
     }
     wgmma_wait<0>();
     if (threadIdx.x % 128 == 0) mbarrier_arrive(ring.empty + 8 * ((step - 1) % kStages));
@@ -535,7 +537,9 @@ GemmInvariantTiling gemm_invariant_tiling(std::int64_t rows, std::int64_t n_out,
   const std::int64_t sms = sm_count(), n128 = (n_out + 127) / 128;
   if (rows <= 128) return {64, 128};
   const std::int64_t t128 = (rows + 127) / 128 * n128;
-  if (rows <= 512) return t128 < sms / 2 ? GemmInvariantTiling{128, 64} : GemmInvariantTiling{128, 128};
+  if (rows <= 512) {
+    return t128 < sms / 2 ? GemmInvariantTiling{128, 64} : GemmInvariantTiling{128, 128};
+  }
   const std::int64_t t256 = (rows + 255) / 256 * n128;
   const std::int64_t rounds256 = (t256 + sms - 1) / sms, rounds128 = (t128 + sms - 1) / sms;
   return 7 * rounds256 <= 4 * rounds128 ? GemmInvariantTiling{256, 128}

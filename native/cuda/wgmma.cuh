@@ -78,19 +78,15 @@ __device__ __forceinline__ void fence_proxy_async() {
 #define TURBOMQ_WGMMA_D32 \
   "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21," \
   "%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}"
-#define TURBOMQ_WGMMA_D4 "{%0,%1,%2,%3}"
-#define TURBOMQ_WGMMA_D8 "{%0,%1,%2,%3,%4,%5,%6,%7}"
 #define TURBOMQ_WGMMA_D16 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}"
 #define TURBOMQ_WGMMA_D64 \
   "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21," \
   "%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41," \
   "%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61," \
   "%62,%63}"
-#define TURBOMQ_WGMMA_OUT4(d) "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-#define TURBOMQ_WGMMA_OUT8(d) \
-  TURBOMQ_WGMMA_OUT4(d), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
 #define TURBOMQ_WGMMA_OUT16(d) \
-  TURBOMQ_WGMMA_OUT8(d), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), \
+  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), \
+  "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), \
   "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
 #define TURBOMQ_WGMMA_OUT32(d) \
   TURBOMQ_WGMMA_OUT16(d), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), \
@@ -116,20 +112,8 @@ __device__ __forceinline__ void fence_proxy_async() {
 // d (N / 2 floats per thread) += A * B; a, b descriptors.
 template <typename T, int N>
 __device__ __forceinline__ void wgmma_m64k16(float* d, std::uint64_t a, std::uint64_t b) {
-  static_assert(N == 8 || N == 16 || N == 32 || N == 64 || N == 128, "m64n8 to m64n128");
-  if constexpr (N == 8 && std::is_same_v<T, __half>) {
-    TURBOMQ_WGMMA_ASM(TURBOMQ_WGMMA_SS(8, "f16", TURBOMQ_WGMMA_D4, "%4", "%5")
-                 : TURBOMQ_WGMMA_OUT4(d) : "l"(a), "l"(b));
-  } else if constexpr (N == 8) {
-    TURBOMQ_WGMMA_ASM(TURBOMQ_WGMMA_SS(8, "bf16", TURBOMQ_WGMMA_D4, "%4", "%5")
-                 : TURBOMQ_WGMMA_OUT4(d) : "l"(a), "l"(b));
-  } else if constexpr (N == 16 && std::is_same_v<T, __half>) {
-    TURBOMQ_WGMMA_ASM(TURBOMQ_WGMMA_SS(16, "f16", TURBOMQ_WGMMA_D8, "%8", "%9")
-                 : TURBOMQ_WGMMA_OUT8(d) : "l"(a), "l"(b));
-  } else if constexpr (N == 16) {
-    TURBOMQ_WGMMA_ASM(TURBOMQ_WGMMA_SS(16, "bf16", TURBOMQ_WGMMA_D8, "%8", "%9")
-                 : TURBOMQ_WGMMA_OUT8(d) : "l"(a), "l"(b));
-  } else if constexpr (N == 32 && std::is_same_v<T, __half>) {
+  static_assert(N == 32 || N == 64 || N == 128, "m64n32, m64n64 or m64n128");
+  if constexpr (N == 32 && std::is_same_v<T, __half>) {
     TURBOMQ_WGMMA_ASM(TURBOMQ_WGMMA_SS(32, "f16", TURBOMQ_WGMMA_D16, "%16", "%17")
                  : TURBOMQ_WGMMA_OUT16(d) : "l"(a), "l"(b));
   } else if constexpr (N == 32) {

@@ -84,10 +84,6 @@ void bind_cuda(py::module_& parent) {
         py::arg("v_cache"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"),
         py::arg("block_size"), py::arg("dtype"), py::arg("stream"), py::arg("w_scale") = 0);
 
-  py::enum_<cuda::GemmInvariantPath>(m, "GemmInvariantPath")
-      .value("AUTO", cuda::GemmInvariantPath::kAuto)
-      .value("TILED", cuda::GemmInvariantPath::kTiled)
-      .value("TRANSPOSED", cuda::GemmInvariantPath::kTransposed);
   m.attr("GEMM_INVARIANT_TRANSPOSED_MAX_ROWS") = cuda::kGemmInvariantTransposedMaxRows;
   m.def("set_prefill_attention_wgmma", &cuda::set_prefill_attention_wgmma, py::arg("on"));
   m.def("prefill_attention_wgmma", &cuda::prefill_attention_wgmma);
@@ -95,24 +91,23 @@ void bind_cuda(py::module_& parent) {
   m.def("prefill_attention_tma", &cuda::prefill_attention_tma);
   m.def(
       "gemm_invariant_tiling",
-      [](std::int64_t rows, std::int64_t n_out, std::int64_t k_in, cuda::GemmInvariantPath path) {
-        const auto t = cuda::gemm_invariant_tiling(rows, n_out, k_in, path);
+      [](std::int64_t rows, std::int64_t n_out, std::int64_t k_in) {
+        const auto t = cuda::gemm_invariant_tiling(rows, n_out, k_in);
         return std::make_pair(t.rows, t.cols);
       },
-      py::arg("rows"), py::arg("n_out"), py::arg("k_in"),
-      py::arg("path") = cuda::GemmInvariantPath::kAuto);
+      py::arg("rows"), py::arg("n_out"), py::arg("k_in"));
   m.def(
       "gemm_invariant",
       [](std::uintptr_t y, std::uintptr_t x, std::uintptr_t w, std::int64_t rows,
          std::int64_t n_out, std::int64_t k_in, cuda::DType dtype, std::uintptr_t stream,
-         cuda::GemmInvariantPath path, std::uintptr_t residual, bool silu_mul, float norm_eps,
+         std::uintptr_t residual, bool silu_mul, float norm_eps,
          std::uintptr_t row_scale, int tile_rows, int tile_cols) {
-        cuda::gemm_invariant(y, x, w, rows, n_out, k_in, dtype, stream, path, residual, silu_mul,
+        cuda::gemm_invariant(y, x, w, rows, n_out, k_in, dtype, stream, residual, silu_mul,
                              norm_eps, row_scale, {tile_rows, tile_cols});
       },
       py::arg("y"), py::arg("x"), py::arg("w"), py::arg("rows"), py::arg("n_out"),
       py::arg("k_in"), py::arg("dtype"), py::arg("stream"),
-      py::arg("path") = cuda::GemmInvariantPath::kAuto, py::arg("residual") = 0,
+      py::arg("residual") = 0,
       py::arg("silu_mul") = false, py::arg("norm_eps") = 0.0f, py::arg("row_scale") = 0,
       py::arg("tile_rows") = -1, py::arg("tile_cols") = 0);
 

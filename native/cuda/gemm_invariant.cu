@@ -528,10 +528,9 @@ void dispatch(Params& p, const GemmInvariantTiling& t, DType dtype, cudaStream_t
 // 4096 columns); from 512 rows 256 x 128 unless its last round of tiles
 // leaves too much idle (a 256-row round costs ~1.75 of a 128-row one).
 GemmInvariantTiling gemm_invariant_tiling(std::int64_t rows, std::int64_t n_out,
-                                          std::int64_t k_in, GemmInvariantPath path) {
+                                          std::int64_t k_in) {
   check_shape(rows, n_out, k_in);
-  if (path == GemmInvariantPath::kTransposed ||
-      (path == GemmInvariantPath::kAuto && rows <= kGemmInvariantTransposedMaxRows)) {
+  if (rows <= kGemmInvariantTransposedMaxRows) {
     return {0, k_in > 8192 ? 64 : 32};
   }
   const std::int64_t sms = sm_count(), n128 = (n_out + 127) / 128;
@@ -548,7 +547,7 @@ GemmInvariantTiling gemm_invariant_tiling(std::int64_t rows, std::int64_t n_out,
 
 void gemm_invariant(std::uintptr_t y, std::uintptr_t x, std::uintptr_t w, std::int64_t rows,
                     std::int64_t n_out, std::int64_t k_in, DType dtype, std::uintptr_t stream,
-                    GemmInvariantPath path, std::uintptr_t residual, bool silu_mul,
+                    std::uintptr_t residual, bool silu_mul,
                     float norm_eps, std::uintptr_t row_scale, GemmInvariantTiling tiling) {
   require(dtype == DType::kF16 || dtype == DType::kBF16,
           "gemm_invariant: dtype must be float16 or bfloat16");
@@ -559,7 +558,7 @@ void gemm_invariant(std::uintptr_t y, std::uintptr_t x, std::uintptr_t w, std::i
   require(!silu_mul || (n_out % 16 == 0 && residual == 0),
           "gemm_invariant: silu_mul needs N a multiple of 16 and no residual");
   require(norm_eps >= 0.0f, "gemm_invariant: norm_eps must be >= 0");
-  if (tiling.rows == -1) tiling = gemm_invariant_tiling(rows, n_out, k_in, path);
+  if (tiling.rows == -1) tiling = gemm_invariant_tiling(rows, n_out, k_in);
   const bool transposed = tiling.rows == 0;
   require(!transposed || rows <= kGemmInvariantTransposedMaxRows,
           "gemm_invariant: the transposed shape takes at most " +

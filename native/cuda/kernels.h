@@ -113,10 +113,10 @@ void gemv_qkv_rope(std::uintptr_t q_out, std::uintptr_t x, std::uintptr_t w, std
 // of y is bit-identical whatever `rows` is and whatever the other rows hold.
 // Output (m, n) is one fp32 accumulation, from zero, of the tensor-core k16
 // steps over K in increasing k; no chunk sums, no split-K. Two launch shapes
-// compute exactly that (Hopper, sm_90a): kTiled (a persistent wgmma kernel
-// whose tile follows rows) and kTransposed (at most
+// compute exactly that (Hopper, sm_90a): the tiled one (a persistent wgmma kernel
+// whose tile follows rows) and the transposed one (at most
 // kGemmInvariantTransposedMaxRows rows: y^T = w x^T on mma.sync, a warp per
-// 16 weight rows). kAuto takes kTransposed up to that many rows.
+// 16 weight rows), which gemm_invariant_tiling picks up to that many rows.
 // `tiling` forces one (the tests compare them): {0, 32 or 64} the transposed
 // shape with 2 or 4 warps a block; {64, 128}, {128, 64}, {128, 128} or
 // {256, 128} a tiled one's rows x weight rows; rows -1: gemm_invariant_tiling.
@@ -138,17 +138,14 @@ void gemv_qkv_rope(std::uintptr_t q_out, std::uintptr_t x, std::uintptr_t w, std
 // programmatic_launch() is on): the first k tiles' weights load while the
 // previous kernel finishes; x and the residual are read only after it.
 constexpr int kGemmInvariantTransposedMaxRows = 8;
-enum class GemmInvariantPath : int { kAuto = 0, kTiled = 1, kTransposed = 2 };
 struct GemmInvariantTiling {
   int rows;  // tile rows (64, 128, 256); 0: the transposed shape; -1: choose
   int cols;  // tile weight rows (64, 128); transposed: 32 or 64 (2 or 4 warps)
 };
 GemmInvariantTiling gemm_invariant_tiling(std::int64_t rows, std::int64_t n_out,
-                                          std::int64_t k_in,
-                                          GemmInvariantPath path = GemmInvariantPath::kAuto);
+                                          std::int64_t k_in);
 void gemm_invariant(std::uintptr_t y, std::uintptr_t x, std::uintptr_t w, std::int64_t rows,
                     std::int64_t n_out, std::int64_t k_in, DType dtype, std::uintptr_t stream,
-                    GemmInvariantPath path = GemmInvariantPath::kAuto,
                     std::uintptr_t residual = 0, bool silu_mul = false, float norm_eps = 0.0f,
                     std::uintptr_t row_scale = 0, GemmInvariantTiling tiling = {-1, 0});
 

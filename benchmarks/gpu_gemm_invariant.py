@@ -44,7 +44,7 @@ DTYPE = torch.bfloat16
 DEV = torch.device("cuda")
 # The tilings (cuda._TILINGS keys) timed beside the choice, by M.
 TRANSPOSED = ("transposed", "transposed4")
-TILED = ("64x128", "128x64", "128x128", "256x128")
+TILED = ("64x128", "256x128") + tuple(f"128x{c}" for c in range(64, 257, 32))
 
 
 def plan_calls(m: int, n: int, k: int, copies: int) -> int:

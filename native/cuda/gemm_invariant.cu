@@ -18,8 +18,9 @@
 //     swizzle; rows past M or N and columns past K read as zeros) into a
 //     ring of stages that flows from one output tile into the next; one or
 //     two consumer warpgroups run m64nNk16 MMAs over them into one
-//     accumulator set. MT x NT is 64 x 128 up to 128 rows, 128 x 128 or
-//     128 x 64 up to 512, 256 x 128 or 128 x 128 beyond (choose_tiling).
+//     accumulator set. MT x NT is 64 x 128, 128 x 64 to 128 x 256 (by 32:
+//     the width that fills the last round of tiles) or 256 x 128, whichever
+//     a cost model says finishes first (gemm_invariant_tiling).
 //   transposed: at most 8 rows (decode). An m64 tile would spend 63 of its
 //     64 MMA rows on padding and run one accumulator chain per 64 weight
 //     rows; transposed, y^T = w x^T, mma.sync m16n8k16 takes 16 weight rows
@@ -51,6 +52,8 @@
 // sum of squares has one fixed order (row_sq_sum): the tiled shape reads r
 // from gemm_row_scale_kernel, launched in front of it; the transposed shape
 // computes it in the block with the same code (no launch at decode).
+#include <algorithm>
+
 #include "mma.cuh"
 #include "tma.cuh"
 #include "wgmma.cuh"
@@ -177,16 +180,20 @@ struct Ring {
 constexpr int ring_barrier_bytes(int stages) { return 16 * stages; }
 
 // ------------------------------------------------------------ tiled shape
-template <int kMT, int kNT, int kWG, int kStages>
+// kMT x rows by kNT weight rows a tile; kWG consumer warpgroups split its
+// rows. As many stages as fit in shared memory, up to 8.
+template <int kMT, int kNT, int kWG>
 struct Tile {
   static constexpr int kRowsWG = kMT / kWG;  // rows a consumer warpgroup owns
   static constexpr int kSub = kRowsWG / 64;  // its m64 sub-tiles
   static constexpr int kThreads = (kWG + 1) * 128;
   static constexpr int kStageBytes = (kMT + kNT) * kRowBytes;
+  static constexpr int kStages = std::min(8, (227 * 1024 - 1024) / (kStageBytes + 16));
   static constexpr int kSmemBytes = 1024 + kStages * kStageBytes + ring_barrier_bytes(kStages);
   static_assert(kSub >= 1 && kRowsWG % 64 == 0, "m64 sub-tiles");
-  static_assert(kNT % 16 == 0 && kNT <= 128, "wgmma n16..n128 (n / 2 each half with silu)");
-  static_assert(kSmemBytes <= 227 * 1024, "shared memory");
+  static_assert(kNT % 32 == 0 && kNT <= 256, "wgmma n32..n256 (n / 2 each half with silu)");
+  static_assert(kSub * kNT <= 256, "accumulators: at most 128 registers a thread");
+  static_assert(kStages >= 3 && kSmemBytes <= 227 * 1024, "shared memory");
 };
 
 // Tile t's first row and first output column, in grouped raster order (a
@@ -201,10 +208,11 @@ __device__ __forceinline__ void tile_origin(const Params& p, int t, int mt, int 
   c0 = (in_group / group_m) * cols;
 }
 
-template <typename T, int kMT, int kNT, int kWG, int kStages>
-__global__ void __launch_bounds__(Tile<kMT, kNT, kWG, kStages>::kThreads, 1)
+template <typename T, int kMT, int kNT, int kWG>
+__global__ void __launch_bounds__(Tile<kMT, kNT, kWG>::kThreads, 1)
     gemm_tiled_kernel(const __grid_constant__ Params p) {
-  using S = Tile<kMT, kNT, kWG, kStages>;
+  using S = Tile<kMT, kNT, kWG>;
+  constexpr int kStages = S::kStages;
   const int tiles = p.m_tiles * p.n_tiles;
   const int my_tiles = blockIdx.x < tiles ? (tiles - 1 - blockIdx.x) / gridDim.x + 1 : 0;
   const int cols = p.inter ? kNT / 2 : kNT;  // output columns a tile
@@ -473,14 +481,14 @@ __global__ void __launch_bounds__(Transposed<kWarps, kStages>::kThreads)
 }
 
 // ------------------------------------------------------------------ host
-template <typename T, int kMT, int kNT, int kWG, int kStages>
+template <typename T, int kMT, int kNT, int kWG>
 void launch_tiled(Params p, DType dtype, cudaStream_t stream) {
-  using S = Tile<kMT, kNT, kWG, kStages>;
+  using S = Tile<kMT, kNT, kWG>;
   p.m_tiles = ceil_div(p.m, kMT);
   p.n_tiles = ceil_div(p.n_w, kNT);
   // x's maps from a bounded cache (activations move), the weights' kept.
   p.x_map = transient_tensor_map_2d(reinterpret_cast<std::uintptr_t>(p.x), p.m, p.k, dtype, kMT);
-  auto kernel = gemm_tiled_kernel<T, kMT, kNT, kWG, kStages>;
+  auto kernel = gemm_tiled_kernel<T, kMT, kNT, kWG>;
   static bool opted_in = false;
   opt_in_smem(kernel, S::kSmemBytes, opted_in, "gemm_invariant: shared memory opt-in");
   const std::int64_t tiles = static_cast<std::int64_t>(p.m_tiles) * p.n_tiles;
@@ -514,35 +522,55 @@ void dispatch(Params& p, const GemmInvariantTiling& t, DType dtype, cudaStream_t
     return t.cols == 64 ? launch_transposed<T, 4, 6>(p, stream)
                         : launch_transposed<T, 2, 8>(p, stream);
   }
-  if (t.rows == 64) return launch_tiled<T, 64, 128, 1, 8>(p, dtype, stream);
-  if (t.rows == 256) return launch_tiled<T, 256, 128, 2, 4>(p, dtype, stream);
-  if (t.cols == 64) return launch_tiled<T, 128, 64, 2, 8>(p, dtype, stream);
-  launch_tiled<T, 128, 128, 2, 6>(p, dtype, stream);
+  if (t.rows == 64) return launch_tiled<T, 64, 128, 1>(p, dtype, stream);
+  if (t.rows == 256) return launch_tiled<T, 256, 128, 2>(p, dtype, stream);
+  switch (t.cols) {  // 128 rows: a consumer warpgroup's m64 by t.cols
+    case 64: return launch_tiled<T, 128, 64, 2>(p, dtype, stream);
+    case 96: return launch_tiled<T, 128, 96, 2>(p, dtype, stream);
+    case 128: return launch_tiled<T, 128, 128, 2>(p, dtype, stream);
+    case 160: return launch_tiled<T, 128, 160, 2>(p, dtype, stream);
+    case 192: return launch_tiled<T, 128, 192, 2>(p, dtype, stream);
+    case 224: return launch_tiled<T, 128, 224, 2>(p, dtype, stream);
+    default: return launch_tiled<T, 128, 256, 2>(p, dtype, stream);
+  }
 }
 
 }  // namespace
 
-// Measured on the H100 at Llama-3-8B shapes (docs/benchmarks/
-// gemm_sequential_tiles.md): 64 x 128 holds its own to 128 rows; 128 x 64
-// where 128 x 128 tiles would fill under half the SMs (decode batches on
-// 4096 columns); from 512 rows 256 x 128 unless its last round of tiles
-// leaves too much idle (a 256-row round costs ~1.75 of a 128-row one).
+// The tile that finishes first by a model fitted to the H100's sweep at
+// Llama-3-8B shapes (docs/benchmarks/gemm_invariant_tilings.md): the tiles
+// run in rounds of one per SM, a round costing (K / 4096 left out, common to
+// all) 0.0755 (MT + NT) + 0.94 MT NT / 1024 us -- loads plus MMAs; a one-
+// warpgroup 64-row tile 10% less. No tiling beats streaming the weights once
+// (~3 TB/s): below that floor the fewest MMAs win. Up to 64 rows a 128-row
+// tile would be half empty, so 64 x 128. Wide tiles fill the last round:
+// gate_up at 256 rows is 2 x 128 tiles of 128 x 224, where 128 x 128 runs
+// 3.4 rounds.
 GemmInvariantTiling gemm_invariant_tiling(std::int64_t rows, std::int64_t n_out,
                                           std::int64_t k_in) {
   check_shape(rows, n_out, k_in);
   if (rows <= kGemmInvariantTransposedMaxRows) {
     return {0, k_in > 8192 ? 64 : 32};
   }
-  const std::int64_t sms = sm_count(), n128 = (n_out + 127) / 128;
-  if (rows <= 128) return {64, 128};
-  const std::int64_t t128 = (rows + 127) / 128 * n128;
-  if (rows <= 512) {
-    return t128 < sms / 2 ? GemmInvariantTiling{128, 64} : GemmInvariantTiling{128, 128};
-  }
-  const std::int64_t t256 = (rows + 255) / 256 * n128;
-  const std::int64_t rounds256 = (t256 + sms - 1) / sms, rounds128 = (t128 + sms - 1) / sms;
-  return 7 * rounds256 <= 4 * rounds128 ? GemmInvariantTiling{256, 128}
-                                         : GemmInvariantTiling{128, 128};
+  if (rows <= 64) return {64, 128};
+  const std::int64_t sms = sm_count();
+  const double floor_us = static_cast<double>(n_out) * 2 * 4096 / 3.0e6;
+  GemmInvariantTiling best{64, 128};
+  double best_cost = -1.0;
+  const auto consider = [&](int mt, int nt) {
+    const std::int64_t tiles = (rows + mt - 1) / mt * ((n_out + nt - 1) / nt);
+    const double round_us = (0.0755 * (mt + nt) + 0.94 * mt * nt / 1024) * (mt == 64 ? 0.9 : 1.0);
+    const double work = static_cast<double>((tiles + sms - 1) / sms) * round_us;
+    const double cost = std::max(work, floor_us) + 0.01 * work;
+    if (best_cost < 0.0 || cost < best_cost) {
+      best = {mt, nt};
+      best_cost = cost;
+    }
+  };
+  for (int nt = 64; nt <= 256; nt += 32) consider(128, nt);  // ties: the narrowest
+  consider(64, 128);
+  consider(256, 128);
+  return best;
 }
 
 void gemm_invariant(std::uintptr_t y, std::uintptr_t x, std::uintptr_t w, std::int64_t rows,
@@ -564,9 +592,9 @@ void gemm_invariant(std::uintptr_t y, std::uintptr_t x, std::uintptr_t w, std::i
           "gemm_invariant: the transposed shape takes at most " +
               std::to_string(kGemmInvariantTransposedMaxRows) + " rows");
   require(transposed ? tiling.cols == 32 || tiling.cols == 64
-                     : (tiling.rows == 64 && tiling.cols == 128) ||
-                           (tiling.rows == 128 && (tiling.cols == 64 || tiling.cols == 128)) ||
-                           (tiling.rows == 256 && tiling.cols == 128),
+                     : ((tiling.rows == 64 || tiling.rows == 256) && tiling.cols == 128) ||
+                           (tiling.rows == 128 && tiling.cols % 32 == 0 && tiling.cols >= 64 &&
+                            tiling.cols <= 256),
           "gemm_invariant: no such tiling");
   require(norm_eps == 0.0f || transposed || (row_scale != 0 && row_scale % 4 == 0),
           "gemm_invariant: the folded norm needs a float32 row_scale buffer of `rows` "

@@ -118,7 +118,7 @@ void gemv_qkv_rope(std::uintptr_t q_out, std::uintptr_t x, std::uintptr_t w, std
 // kGemmInvariantTransposedMaxRows rows: y^T = w x^T on mma.sync, a warp per
 // 16 weight rows), which gemm_invariant_tiling picks up to that many rows.
 // `tiling` forces one (the tests compare them): {0, 32 or 64} the transposed
-// shape with 2 or 4 warps a block; {64, 128}, {128, 64}, {128, 128} or
+// shape with 2 or 4 warps a block; {64, 128}, {128, 64 to 256 by 32} or
 // {256, 128} a tiled one's rows x weight rows; rows -1: gemm_invariant_tiling.
 // x, w, y contiguous and 16-byte aligned; N and K multiples of 8.
 // With `residual` ([rows, N] contiguous, the dtype, 16-byte aligned; may be
@@ -140,7 +140,7 @@ void gemv_qkv_rope(std::uintptr_t q_out, std::uintptr_t x, std::uintptr_t w, std
 constexpr int kGemmInvariantTransposedMaxRows = 8;
 struct GemmInvariantTiling {
   int rows;  // tile rows (64, 128, 256); 0: the transposed shape; -1: choose
-  int cols;  // tile weight rows (64, 128); transposed: 32 or 64 (2 or 4 warps)
+  int cols;  // tile weight rows (128; with 128 rows 64 to 256 by 32); transposed: 32 or 64
 };
 GemmInvariantTiling gemm_invariant_tiling(std::int64_t rows, std::int64_t n_out,
                                           std::int64_t k_in);

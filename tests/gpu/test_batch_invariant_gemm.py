@@ -33,7 +33,7 @@ SHAPES = [(4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336), (128256, 409
 ROWS = [1, 3, 8, 9, 64, 65, 200, 1024, 4096]
 MAX_MACS = 6e11  # rows x N x K per case: keeps the reference's float32 matmul quick
 TRANSPOSED = ["transposed", "transposed4"]
-TILED = ["64x128", "128x64", "128x128", "256x128"]
+TILED = ["64x128", "256x128"] + [f"128x{c}" for c in range(64, 257, 32)]
 FEW = cuda_ops._k.GEMM_INVARIANT_TRANSPOSED_MAX_ROWS
 
 
@@ -49,12 +49,14 @@ def assert_rows_equal(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
 
 
 def test_tiling_choice():
-    """The transposed shape up to FEW rows, then tiles that grow with the rows."""
+    """The transposed shape up to FEW rows, 64 x 128 to 64 rows, then the
+    tile whose rounds finish first (H100: 132 SMs)."""
     t = cuda_ops._k.gemm_invariant_tiling
     assert t(1, 4096, 4096) == (0, 32) and t(FEW, 4096, 14336) == (0, 64)
     assert t(FEW + 1, 4096, 4096) == (64, 128) and t(128, 4096, 4096) == (64, 128)
-    assert t(8192, 6144, 4096) == (256, 128)
+    assert t(8192, 6144, 4096) == (128, 256)
     assert t(300, 4096, 4096)[0] == 128
+    assert t(256, 28672, 4096) == (128, 224)  # 2 x 128 tiles: one round on 132 SMs
     with pytest.raises(ValueError):
         t(3, 4100, 4096)  # N not a multiple of 8
 

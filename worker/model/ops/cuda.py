@@ -774,10 +774,11 @@ def _launch_attention(out, q, kv, batch, scale, tiles, num_tiles, part_size, par
 # same bits and the tile follows the number of rows (gemm_invariant_tiling):
 # - transposed (up to GEMM_INVARIANT_TRANSPOSED_MAX_ROWS rows: decode at
 #   small batch): y^T = w x^T on mma.sync, a warp per 16 weight rows;
-# - tiled: a persistent wgmma kernel, tiles of 64 x 128 to 256 x 128.
+# - tiled: a persistent wgmma kernel, tiles of 64 x 128, 128 x 64 to
+#   128 x 256 (by 32) and 256 x 128.
 _TILINGS = {None: (-1, 0), "transposed": (0, 32), "transposed4": (0, 64),
-            "64x128": (64, 128), "128x64": (128, 64), "128x128": (128, 128),
-            "256x128": (256, 128)}
+            "64x128": (64, 128), "256x128": (256, 128),
+            **{f"128x{c}": (128, c) for c in range(64, 257, 32)}}
 
 
 def linear_invariant(x: torch.Tensor, weight: torch.Tensor, *,

@@ -538,7 +538,7 @@ void dispatch(Params& p, const GemmInvariantTiling& t, DType dtype, cudaStream_t
 }  // namespace
 
 // The tile that finishes first by a model fitted to the H100's sweep at
-// Llama-3-8B shapes (docs/benchmarks/gemm_invariant_tilings.md): the tiles
+// Llama-3-8B shapes (docs/benchmarks/gemm_invariant_wide_tiles.md): the tiles
 // run in rounds of one per SM, a round costing (K / 4096 left out, common to
 // all) 0.0755 (MT + NT) + 0.94 MT NT / 1024 us -- loads plus MMAs; a one-
 // warpgroup 64-row tile 10% less. No tiling beats streaming the weights once

@@ -112,6 +112,33 @@ void bind_cuda(py::module_& parent) {
       py::arg("tile_rows") = -1, py::arg("tile_cols") = 0);
 
   m.def(
+      "gemm_invariant_qkv_rope",
+      [](std::uintptr_t y, std::uintptr_t x, std::uintptr_t w, std::int64_t rows,
+         std::int64_t k_in, cuda::DType dtype, std::uintptr_t stream, float norm_eps,
+         std::uintptr_t positions, std::uintptr_t cos_sin, std::uintptr_t slots,
+         std::uintptr_t k_cache, std::uintptr_t v_cache, int num_heads, int num_kv_heads,
+         int head_dim, int block_size) {
+        cuda::GemmInvariantRope rope;
+        rope.positions = reinterpret_cast<const std::int64_t*>(positions);
+        rope.cos_sin = reinterpret_cast<const float*>(cos_sin);
+        rope.slots = reinterpret_cast<const std::int64_t*>(slots);
+        rope.k_cache = reinterpret_cast<void*>(k_cache);
+        rope.v_cache = reinterpret_cast<void*>(v_cache);
+        rope.num_heads = num_heads;
+        rope.num_kv_heads = num_kv_heads;
+        rope.head_dim = head_dim;
+        rope.block_size = block_size;
+        const std::int64_t n_out =
+            static_cast<std::int64_t>(num_heads + 2 * num_kv_heads) * head_dim;
+        cuda::gemm_invariant(y, x, w, rows, n_out, k_in, dtype, stream, 0, false, norm_eps, 0,
+                             cuda::gemm_invariant_tiling(rows, n_out, k_in), rope);
+      },
+      py::arg("y"), py::arg("x"), py::arg("w"), py::arg("rows"), py::arg("k_in"),
+      py::arg("dtype"), py::arg("stream"), py::arg("norm_eps"), py::arg("positions"),
+      py::arg("cos_sin"), py::arg("slots"), py::arg("k_cache"), py::arg("v_cache"),
+      py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"),
+      py::arg("block_size"));
+  m.def(
       "paged_attention",
       [](std::uintptr_t out, std::uintptr_t q, std::int64_t q_stride_tok,
          std::int64_t q_stride_head, std::uintptr_t k_cache, std::uintptr_t v_cache,

@@ -76,6 +76,7 @@ struct Params {
   int m_tiles, n_tiles, k_tiles;
   float norm_eps;          // > 0: the folded norm
   const float* row_scale;  // tiled: [M] r of each row (gemm_row_scale_kernel), or null
+  GemmInvariantRope rope;  // transposed: rotary and the KV write in the store (head_dim > 0)
   CUtensorMap x_map, w_map;
 };
 
@@ -356,6 +357,39 @@ struct Transposed {
   static constexpr int kThreads = (kWarps + 1) * 32;
 };
 
+// The store of rotation pair n (of head n / (d/2), element j = n % (d/2))
+// of row m, from its two outputs as the plain store rounds them: q and k
+// rotated as rotary_write_kv_kernel rotates (products and sum rounded
+// apart), q into y [M, num_heads, d], k and v into the paged cache at the
+// row's slot (none where it is negative): the unfused launches' bits.
+template <typename T>
+__device__ __forceinline__ void rope_store(const Params& p, int m, int n, float lo, float hi) {
+  const GemmInvariantRope& rp = p.rope;
+  const int half = rp.head_dim / 2, head = n / half, j = n % half;
+  if (head >= rp.num_heads + 2 * rp.num_kv_heads) return;
+  if (head < rp.num_heads + rp.num_kv_heads) {
+    const float* cs = rp.cos_sin + rp.positions[m] * rp.head_dim;
+    const float c = cs[j], sn = cs[half + j];
+    const float l = round_to<T>(__fadd_rn(__fmul_rn(lo, c), __fmul_rn(-hi, sn)));
+    hi = round_to<T>(__fadd_rn(__fmul_rn(hi, c), __fmul_rn(lo, sn)));
+    lo = l;
+  }
+  T* dst;
+  if (head < rp.num_heads) {
+    dst = static_cast<T*>(p.y) + (static_cast<std::int64_t>(m) * rp.num_heads + head) * rp.head_dim;
+  } else {
+    const std::int64_t slot = rp.slots[m];
+    if (slot < 0) return;
+    const bool is_k = head < rp.num_heads + rp.num_kv_heads;
+    const int kvh = head - rp.num_heads - (is_k ? 0 : rp.num_kv_heads);
+    const std::int64_t block = slot / rp.block_size;
+    dst = static_cast<T*>(is_k ? rp.k_cache : rp.v_cache) +
+          ((block * rp.num_kv_heads + kvh) * rp.block_size + slot % rp.block_size) * rp.head_dim;
+  }
+  dst[j] = from_float<T>(lo);
+  dst[j + half] = from_float<T>(hi);
+}
+
 // Byte offset of 16-byte chunk c of row r in a 128-byte-swizzled region.
 __device__ __forceinline__ std::uint32_t swizzled(int r, int c) {
   return static_cast<std::uint32_t>(r * kRowBytes + ((c ^ (r % 8)) << 4));
@@ -373,7 +407,16 @@ __global__ void __launch_bounds__(Transposed<kWarps, kStages>::kThreads)
   const std::uint32_t base = smem_base();
   const Ring<kStages> ring(base + kStages * S::kStageBytes, kWarps);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int row0 = p.inter ? 8 * kWarps * blockIdx.x : S::kWRows * blockIdx.x;
+  // Paired rows (silu: gate and up; rope: the rows of rotation pairs, j and
+  // j + d/2 of a head): the block's first rows from row0, their partners
+  // from row1. A block's 8 kWarps pairs lie in one half of a head.
+  const int half = p.rope.head_dim / 2;
+  const int pair0 = 8 * kWarps * blockIdx.x;
+  const int row0 = p.rope.head_dim ? (pair0 / half) * p.rope.head_dim + pair0 % half
+                   : p.inter   ? pair0
+                               : S::kWRows * blockIdx.x;
+  const int row1 = p.rope.head_dim ? row0 + half : p.inter + row0;
+  const bool paired = p.inter || p.rope.head_dim;
 
   const int stages = (p.k_tiles + 1) / 2;  // of two k tiles; past K, TMA reads zeros
   if (warp == kWarps) {
@@ -384,7 +427,7 @@ __global__ void __launch_bounds__(Transposed<kWarps, kStages>::kThreads)
         const std::uint32_t dst = st + h * S::kHalfBytes;
         const int k0 = (2 * ks + h) * kBK;
         tma_load_2d(dst, &p.w_map, k0, row0, bar);
-        if (p.inter) tma_load_2d(dst + S::kWBytes / 2, &p.w_map, k0, p.inter + row0, bar);
+        if (paired) tma_load_2d(dst + S::kWBytes / 2, &p.w_map, k0, row1, bar);
       }
     };
     const int early = min(kStages, stages);
@@ -429,8 +472,8 @@ __global__ void __launch_bounds__(Transposed<kWarps, kStages>::kThreads)
   // chunks 2 ks, 2 ks + 1), lane l giving row l % 8 of matrix l / 8. x's:
   // its 8 rows at chunks 4 pair .. 4 pair + 3, two k16 steps' B.
   const int a_mat_row = (lane / 8) % 2 * 8 + lane % 8;
-  const int a_row = p.inter ? (a_mat_row / 8) * (S::kWRows / 2) + 8 * warp + a_mat_row % 8
-                            : 16 * warp + a_mat_row;
+  const int a_row = paired ? (a_mat_row / 8) * (S::kWRows / 2) + 8 * warp + a_mat_row % 8
+                           : 16 * warp + a_mat_row;
   const int a_chunk = lane / 16;
   float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
   for (int ks = 0; ks < stages; ++ks) {
@@ -466,6 +509,11 @@ __global__ void __launch_bounds__(Transposed<kWarps, kStages>::kThreads)
     const int m = 2 * (lane % 4) + e;
     if (m >= p.m) continue;
     const float r = p.norm_eps > 0.0f ? rms_scale(warp_sums[m], p.k, p.norm_eps) : 1.0f;
+    if (p.rope.head_dim) {
+      rope_store<T>(p, m, pair0 + 8 * warp + lane / 4, round_to<T>(__fmul_rn(acc[e], r)),
+                    round_to<T>(__fmul_rn(acc[2 + e], r)));
+      continue;
+    }
     if (p.inter) {
       const int n = row0 + 8 * warp + lane / 4;
       if (n < p.n) y[static_cast<std::int64_t>(m) * p.n + n] = silu_out<T>(acc[e], acc[2 + e], r);
@@ -503,7 +551,8 @@ void launch_transposed(const Params& p, cudaStream_t stream) {
   auto kernel = gemm_transposed_kernel<T, kWarps, kStages>;
   static bool opted_in = false;
   opt_in_smem(kernel, S::kSmemBytes, opted_in, "gemm_invariant: shared memory opt-in");
-  const int blocks = p.inter ? ceil_div(p.n, 8 * kWarps) : ceil_div(p.n_w, S::kWRows);
+  const int blocks = p.inter || p.rope.head_dim ? ceil_div(p.n_w / 2, 8 * kWarps)
+                                                : ceil_div(p.n_w, S::kWRows);
   launch_programmatic(kernel, p, dim3(blocks), S::kThreads, S::kSmemBytes, stream,
                       "gemm_transposed_kernel");
 }
@@ -576,7 +625,8 @@ GemmInvariantTiling gemm_invariant_tiling(std::int64_t rows, std::int64_t n_out,
 void gemm_invariant(std::uintptr_t y, std::uintptr_t x, std::uintptr_t w, std::int64_t rows,
                     std::int64_t n_out, std::int64_t k_in, DType dtype, std::uintptr_t stream,
                     std::uintptr_t residual, bool silu_mul,
-                    float norm_eps, std::uintptr_t row_scale, GemmInvariantTiling tiling) {
+                    float norm_eps, std::uintptr_t row_scale, GemmInvariantTiling tiling,
+                    const GemmInvariantRope& rope) {
   require(dtype == DType::kF16 || dtype == DType::kBF16,
           "gemm_invariant: dtype must be float16 or bfloat16");
   check_shape(rows, n_out, k_in);
@@ -596,6 +646,20 @@ void gemm_invariant(std::uintptr_t y, std::uintptr_t x, std::uintptr_t w, std::i
                            (tiling.rows == 128 && tiling.cols % 32 == 0 && tiling.cols >= 64 &&
                             tiling.cols <= 256),
           "gemm_invariant: no such tiling");
+  if (rope.head_dim > 0) {
+    const int pairs_a_block = 8 * (tiling.cols == 64 ? 4 : 2);
+    require(transposed && !silu_mul && residual == 0,
+            "gemm_invariant: the rope store is the transposed shape's, without silu or residual");
+    require(rope.num_heads > 0 && rope.num_kv_heads > 0 && rope.block_size > 0 &&
+                rope.head_dim % 2 == 0 && (rope.head_dim / 2) % pairs_a_block == 0 &&
+                n_out == static_cast<std::int64_t>(rope.num_heads + 2 * rope.num_kv_heads) *
+                             rope.head_dim,
+            "gemm_invariant: rope needs N = (heads + 2 kv heads) head_dim, head_dim / 2 a "
+            "multiple of " + std::to_string(pairs_a_block));
+    require(rope.positions != nullptr && rope.cos_sin != nullptr && rope.slots != nullptr &&
+                rope.k_cache != nullptr && rope.v_cache != nullptr,
+            "gemm_invariant: rope needs positions, cos_sin, slots and both caches");
+  }
   require(norm_eps == 0.0f || transposed || (row_scale != 0 && row_scale % 4 == 0),
           "gemm_invariant: the folded norm needs a float32 row_scale buffer of `rows` "
           "entries outside the transposed shape");
@@ -610,11 +674,13 @@ void gemm_invariant(std::uintptr_t y, std::uintptr_t x, std::uintptr_t w, std::i
   p.k = static_cast<int>(k_in);
   p.k_tiles = ceil_div(p.k, kBK);
   p.norm_eps = norm_eps;
+  p.rope = rope;
   // The weights' boxes: a tile's or block's rows, halved with silu (its gate
   // rows, then its up rows).
   const int box = transposed ? 16 * (tiling.cols == 64 ? 4 : 2) : tiling.cols;
   // streamed once along k: L2 fetches 256 bytes a row
-  p.w_map = tensor_map_2d(w, p.n_w, p.k, dtype, silu_mul ? box / 2 : box, /*l2_256=*/true);
+  const bool paired = silu_mul || rope.head_dim > 0;  // two boxes of half the rows
+  p.w_map = tensor_map_2d(w, p.n_w, p.k, dtype, paired ? box / 2 : box, /*l2_256=*/true);
   cudaStream_t s = as_stream(stream);
   if (norm_eps > 0.0f && !transposed) {
     auto* scales = reinterpret_cast<float*>(row_scale);

@@ -144,10 +144,26 @@ struct GemmInvariantTiling {
 };
 GemmInvariantTiling gemm_invariant_tiling(std::int64_t rows, std::int64_t n_out,
                                           std::int64_t k_in);
+// The qkv projection's store fused with rotary and the KV write (16-bit
+// pools), the transposed shape only (decode): w's rows are the q, k and v
+// heads ([(num_heads + 2 num_kv_heads) head_dim, K]); y is q
+// [rows, num_heads, head_dim], rotated; k (rotated) and v go to the paged
+// caches [blocks, num_kv_heads, block_size, head_dim] at slots[m] (none
+// where negative); positions [rows] index cos_sin [max_pos, head_dim] =
+// cat(cos, sin). Bit for bit the plain launch followed by rotary_write_kv.
+struct GemmInvariantRope {
+  const std::int64_t* positions = nullptr;
+  const float* cos_sin = nullptr;
+  const std::int64_t* slots = nullptr;
+  void* k_cache = nullptr;
+  void* v_cache = nullptr;
+  int num_heads = 0, num_kv_heads = 0, head_dim = 0, block_size = 0;  // head_dim 0: none
+};
 void gemm_invariant(std::uintptr_t y, std::uintptr_t x, std::uintptr_t w, std::int64_t rows,
                     std::int64_t n_out, std::int64_t k_in, DType dtype, std::uintptr_t stream,
                     std::uintptr_t residual = 0, bool silu_mul = false, float norm_eps = 0.0f,
-                    std::uintptr_t row_scale = 0, GemmInvariantTiling tiling = {-1, 0});
+                    std::uintptr_t row_scale = 0, GemmInvariantTiling tiling = {-1, 0},
+                    const GemmInvariantRope& rope = {});
 
 // Per-row FP8 (E4M3) quantization of x [rows, hidden] (rows x_stride elements
 // apart, 16-byte aligned; hidden a multiple of 8), after rms_norm(x,

@@ -400,3 +400,51 @@ def test_invariant_ops_linear_runs_the_folded_norm(gen):
         one = ops.linear(x[:1], folded, norm=(g, 1e-5), silu=True)
         assert_rows_equal(got[:1], one, f"first of {rows} rows vs alone")
 
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d,k", [(128, 4096), (64, 1024), (128, 14336)])
+def test_qkv_rope_store_equals_the_two_launches(dtype, d, k, gen):
+    """The transposed shape's rotary + KV-write store: q, and the pool after
+    it, bit for bit linear_invariant followed by rotary_write_kv, at 1-8
+    rows, with and without the folded norm, a slot of -1 left unwritten; and
+    the same q for a row whether it is decoded alone or among others."""
+    from turbomq.worker.model.ops.layer_kv import LayerKV
+
+    nh, nkv, bs, blocks = 8, 2, 16, 8
+    w = randn(((nh + 2 * nkv) * d, k), dtype, gen, 0.05)
+    half = d // 2
+    inv = 1.0 / (10000.0 ** (torch.arange(half, device=DEV, dtype=torch.float32) / half))
+    ang = torch.arange(512, device=DEV, dtype=torch.float32)[:, None] * inv[None, :]
+    cos_sin = torch.cat([ang.cos(), ang.sin()], dim=-1).contiguous()
+    for rows in (1, 3, 8):
+        for eps in (None, 1e-5):
+            x = randn((rows, k), dtype, gen) * 2.0
+            positions = torch.randint(0, 512, (rows,), generator=gen, device=DEV)
+            slots = torch.randperm(blocks * bs, generator=gen, device=DEV)[:rows]
+            slots[0] = -1
+            pool = LayerKV(randn((blocks, nkv, bs, d), dtype, gen),
+                           randn((blocks, nkv, bs, d), dtype, gen), None, None)
+            want_kv = LayerKV(pool.k.clone(), pool.v.clone(), None, None)
+            qkv = cuda_ops.linear_invariant(x, w, norm_eps=eps)
+            q, kk, v = qkv.split([nh * d, nkv * d, nkv * d], dim=-1)
+            want = cuda_ops.rotary_write_kv(q.reshape(rows, nh, d), kk.reshape(rows, nkv, d),
+                                            v.reshape(rows, nkv, d), positions, cos_sin,
+                                            want_kv, slots)
+            got = cuda_ops.qkv_rotary_write_kv_invariant(x, w, eps, positions, cos_sin, pool,
+                                                         slots, nh)
+            what = f"{rows} rows, eps {eps}"
+            assert got is not None, what
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16)), what
+            assert torch.equal(pool.k.view(torch.int16), want_kv.k.view(torch.int16)), what
+            assert torch.equal(pool.v.view(torch.int16), want_kv.v.view(torch.int16)), what
+            alone = cuda_ops.qkv_rotary_write_kv_invariant(x[-1:], w, eps, positions[-1:],
+                                                           cos_sin, pool, slots[-1:], nh)
+            assert torch.equal(alone.view(torch.int16), got[-1:].view(torch.int16)), what
+    # more rows than the transposed shape takes, or an INT8 pool: not this launch
+    x = randn((9, k), dtype, gen)
+    pool = LayerKV(randn((blocks, nkv, bs, d), dtype, gen),
+                   randn((blocks, nkv, bs, d), dtype, gen), None, None)
+    nine = torch.zeros(9, dtype=torch.int64, device=DEV)
+    assert cuda_ops.qkv_rotary_write_kv_invariant(x, w, None, nine, cos_sin, pool, nine,
+                                                  nh) is None

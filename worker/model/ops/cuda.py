@@ -781,6 +781,41 @@ _TILINGS = {None: (-1, 0), "transposed": (0, 32), "transposed4": (0, 64),
             **{f"128x{c}": (128, c) for c in range(64, 257, 32)}}
 
 
+def qkv_rotary_write_kv_invariant(x: torch.Tensor, weight: torch.Tensor,
+                                  norm_eps: Optional[float], positions: torch.Tensor,
+                                  cos_sin: torch.Tensor, kv: LayerKV,
+                                  slot_mapping: torch.Tensor,
+                                  num_heads: int) -> Optional[torch.Tensor]:
+    """The rotated q [T, num_heads, d] of linear_invariant(x, weight,
+    norm_eps=norm_eps) followed by rotary_write_kv, bit for bit, in one launch
+    (the transposed shape's store does the rotation and the KV write); None
+    where that launch does not apply -- more than
+    GEMM_INVARIANT_TRANSPOSED_MAX_ROWS rows, an INT8 pool, a layout it does
+    not take -- and the caller runs the two ops."""
+    t, k_in = x.shape
+    nkv, bs, d = kv.k.shape[1:]
+    if not (_native_ok(x, weight, kv.k) and 0 < t <= _k.GEMM_INVARIANT_TRANSPOSED_MAX_ROWS
+            and x.dtype in _HALF and weight.dtype == x.dtype and kv.k.dtype == x.dtype
+            and weight.shape == ((num_heads + 2 * nkv) * d, k_in) and k_in % 8 == 0
+            and weight.is_contiguous() and weight.data_ptr() % 16 == 0
+            and x.is_contiguous() and x.data_ptr() % 16 == 0
+            and kv.k.is_contiguous() and kv.v.is_contiguous()
+            and d % 64 == 0  # a block's pairs (16 or 32) inside half a head
+            and cos_sin.dtype == torch.float32 and cos_sin.is_contiguous()
+            and cos_sin.shape[-1] == d and (norm_eps is None or norm_eps > 0)):
+        return None
+    positions = positions.to(torch.int64).contiguous()
+    slots = slot_mapping.to(torch.int64).contiguous()
+    out = torch.empty((t, num_heads, d), dtype=x.dtype, device=x.device)
+    with _on_device(x):
+        _k.gemm_invariant_qkv_rope(out.data_ptr(), x.data_ptr(), weight.data_ptr(), t, k_in,
+                                   _DTYPES[x.dtype], _stream(x),
+                                   0.0 if norm_eps is None else float(norm_eps),
+                                   positions.data_ptr(), cos_sin.data_ptr(), slots.data_ptr(),
+                                   kv.k.data_ptr(), kv.v.data_ptr(), num_heads, nkv, d, bs)
+    return out
+
+
 def linear_invariant(x: torch.Tensor, weight: torch.Tensor, *,
                      out: Optional[torch.Tensor] = None, tiling: Optional[str] = None,
                      residual: Optional[torch.Tensor] = None,

@@ -22,7 +22,9 @@ token is computed in a prefill chunk or a decode step.
   see add exact zeros. (The default plans the partition from the batch's
   grid and skips the combine when it can.)
 - rms_norm, rotary, the KV write, silu_mul: one row or element at a time
-  already.
+  already. At decode (up to GEMM_INVARIANT_TRANSPOSED_MAX_ROWS rows, 16-bit
+  pool) rotary and the KV write run in the qkv GEMM's store, with the
+  separate kernel's roundings.
 
 On the CPU the same structure runs on the reference ops."""
 
@@ -95,6 +97,13 @@ class InvariantOps:
                             norm: tuple[torch.Tensor, float], positions: torch.Tensor,
                             cos_sin: torch.Tensor, kv: LayerKV, slot_mapping: torch.Tensor,
                             num_heads: int) -> torch.Tensor:
+        if self.native and isinstance(weight, NormFolded):
+            # Decode rows on a 16-bit pool: rotary and the KV write in the
+            # GEMM's store, the same bits as the two launches below.
+            q = self.base.qkv_rotary_write_kv_invariant(x, weight.weight, norm[1], positions,
+                                                        cos_sin, kv, slot_mapping, num_heads)
+            if q is not None:
+                return q
         t = x.shape[0]
         nkv, d = kv.k.shape[1], kv.k.shape[3]
         qkv = self.linear(x, weight, norm=norm)

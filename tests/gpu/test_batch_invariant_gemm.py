@@ -448,3 +448,9 @@ def test_qkv_rope_store_equals_the_two_launches(dtype, d, k, gen):
     nine = torch.zeros(9, dtype=torch.int64, device=DEV)
     assert cuda_ops.qkv_rotary_write_kv_invariant(x, w, None, nine, cos_sin, pool, nine,
                                                   nh) is None
+    shape = (blocks, nkv, bs, d)
+    int8_pool = LayerKV(torch.zeros(shape, dtype=torch.int8, device=DEV),
+                        torch.zeros(shape, dtype=torch.int8, device=DEV),
+                        torch.ones(shape[:-1], device=DEV), torch.ones(shape[:-1], device=DEV))
+    assert cuda_ops.qkv_rotary_write_kv_invariant(x[:1], w, None, nine[:1], cos_sin, int8_pool,
+                                                  nine[:1], nh) is None

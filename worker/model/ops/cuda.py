@@ -376,6 +376,20 @@ def _run_gemv(x: torch.Tensor, rows: int, n_out: int, weight_ptr: int,
     return out
 
 
+def _rope_store_ok(x: torch.Tensor, weight, kv: LayerKV, cos_sin: torch.Tensor,
+                   num_heads: int) -> bool:
+    """Whether a qkv kernel's store can rotate q and k and write k and v into
+    the pool itself: 16-bit x and pool alike, the q, k and v heads' rows in
+    weight, contiguous aligned x and pool, a float32 cat(cos, sin) table."""
+    nkv, d = kv.k.shape[1], kv.k.shape[3]
+    return (_native_ok(x, kv.k) and x.dtype in _HALF and kv.k.dtype == x.dtype
+            and weight.shape == ((num_heads + 2 * nkv) * d, x.shape[-1])
+            and x.is_contiguous() and x.data_ptr() % 16 == 0
+            and kv.k.is_contiguous() and kv.v.is_contiguous()
+            and cos_sin.dtype == torch.float32 and cos_sin.is_contiguous()
+            and cos_sin.shape[-1] == d)
+
+
 def qkv_rotary_write_kv(x: torch.Tensor, weight: torch.Tensor, norm: tuple[torch.Tensor, float],
                         positions: torch.Tensor, cos_sin: torch.Tensor, kv: LayerKV,
                         slot_mapping: torch.Tensor, num_heads: int, *,
@@ -394,15 +408,9 @@ def qkv_rotary_write_kv(x: torch.Tensor, weight: torch.Tensor, norm: tuple[torch
                      and weight.dtype == x.dtype and weight.is_contiguous()
                      and weight.data_ptr() % 16 == 0 and t * k_in * 2 <= _k.GEMV_SMEM_BYTES
                      and k_in % 8 == 0)
-    fused = (weight_ok and _native_ok(x, kv.k)
-             and x.dtype in _HALF and kv.k.dtype == x.dtype
+    fused = (weight_ok and _rope_store_ok(x, weight, kv, cos_sin, num_heads)
              and norm[0].dtype == x.dtype and norm[0].is_contiguous()
-             and norm[0].data_ptr() % 16 == 0
-             and weight.shape == ((num_heads + 2 * nkv) * d, k_in)
-             and x.is_contiguous() and x.data_ptr() % 16 == 0
-             and kv.k.is_contiguous() and kv.v.is_contiguous()
-             and cos_sin.dtype == torch.float32 and cos_sin.is_contiguous()
-             and cos_sin.shape[-1] == d)
+             and norm[0].data_ptr() % 16 == 0)
     if not fused:
         qkv = linear(x, weight, norm=norm)
         q, k, v = qkv.split([num_heads * d, nkv * d, nkv * d], dim=-1)
@@ -794,15 +802,11 @@ def qkv_rotary_write_kv_invariant(x: torch.Tensor, weight: torch.Tensor,
     not take -- and the caller runs the two ops."""
     t, k_in = x.shape
     nkv, bs, d = kv.k.shape[1:]
-    if not (_native_ok(x, weight, kv.k) and 0 < t <= _k.GEMM_INVARIANT_TRANSPOSED_MAX_ROWS
-            and x.dtype in _HALF and weight.dtype == x.dtype and kv.k.dtype == x.dtype
-            and weight.shape == ((num_heads + 2 * nkv) * d, k_in) and k_in % 8 == 0
-            and weight.is_contiguous() and weight.data_ptr() % 16 == 0
-            and x.is_contiguous() and x.data_ptr() % 16 == 0
-            and kv.k.is_contiguous() and kv.v.is_contiguous()
+    if not (_native_ok(x, weight) and _rope_store_ok(x, weight, kv, cos_sin, num_heads)
+            and 0 < t <= _k.GEMM_INVARIANT_TRANSPOSED_MAX_ROWS and weight.dtype == x.dtype
+            and k_in % 8 == 0 and weight.is_contiguous() and weight.data_ptr() % 16 == 0
             and d % 64 == 0  # a block's pairs (16 or 32) inside half a head
-            and cos_sin.dtype == torch.float32 and cos_sin.is_contiguous()
-            and cos_sin.shape[-1] == d and (norm_eps is None or norm_eps > 0)):
+            and (norm_eps is None or norm_eps > 0)):
         return None
     positions = positions.to(torch.int64).contiguous()
     slots = slot_mapping.to(torch.int64).contiguous()

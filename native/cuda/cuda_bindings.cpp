@@ -118,7 +118,7 @@ void bind_cuda(py::module_& parent) {
          std::uintptr_t positions, std::uintptr_t cos_sin, std::uintptr_t slots,
          std::uintptr_t k_cache, std::uintptr_t v_cache, int num_heads, int num_kv_heads,
          int head_dim, int block_size) {
-        cuda::GemmInvariantRope rope;
+        cuda::RopeKV rope;
         rope.positions = reinterpret_cast<const std::int64_t*>(positions);
         rope.cos_sin = reinterpret_cast<const float*>(cos_sin);
         rope.slots = reinterpret_cast<const std::int64_t*>(slots);

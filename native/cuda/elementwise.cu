@@ -2,6 +2,7 @@
 // All are memory-bound: 16-byte vector loads/stores, math in float32, and the
 // reference's intermediate roundings reproduced so results match it closely.
 #include "common.cuh"
+#include "rope_kv.cuh"
 
 namespace turbomq {
 namespace cuda {
@@ -133,14 +134,10 @@ __global__ void rotary_kernel(T* __restrict__ q_out, T* __restrict__ k_out, cons
     *reinterpret_cast<float4*>(c + 4) = __ldg(cv + 1);
     *reinterpret_cast<float4*>(s) = __ldg(sv);
     *reinterpret_cast<float4*>(s + 4) = __ldg(sv + 1);
-    float out_lo[8], out_hi[8];
 #pragma unroll
-    for (int e = 0; e < 8; ++e) {
-      out_lo[e] = __fadd_rn(__fmul_rn(lo[e], c[e]), __fmul_rn(-hi[e], s[e]));
-      out_hi[e] = __fadd_rn(__fmul_rn(hi[e], c[e]), __fmul_rn(lo[e], s[e]));
-    }
-    *reinterpret_cast<uint4*>(dst + j0) = pack8<T>(out_lo);
-    *reinterpret_cast<uint4*>(dst + half + j0) = pack8<T>(out_hi);
+    for (int e = 0; e < 8; ++e) rotate_pair<T>(lo[e], hi[e], c[e], s[e]);
+    *reinterpret_cast<uint4*>(dst + j0) = pack8<T>(lo);
+    *reinterpret_cast<uint4*>(dst + half + j0) = pack8<T>(hi);
   }
 }
 

@@ -55,6 +55,7 @@
 #include <algorithm>
 
 #include "mma.cuh"
+#include "rope_kv.cuh"
 #include "tma.cuh"
 #include "wgmma.cuh"
 
@@ -76,7 +77,8 @@ struct Params {
   int m_tiles, n_tiles, k_tiles;
   float norm_eps;          // > 0: the folded norm
   const float* row_scale;  // tiled: [M] r of each row (gemm_row_scale_kernel), or null
-  GemmInvariantRope rope;  // transposed: rotary and the KV write in the store (head_dim > 0)
+  RopeKV rope;  // transposed: rotary and the KV write in the store (head_dim > 0)
+  bool trigger_at_start;  // transposed: launch dependents at the start, not after the last load
   CUtensorMap x_map, w_map;
 };
 
@@ -121,13 +123,13 @@ __global__ void __launch_bounds__(128) gemm_row_scale_kernel(const T* x, int k, 
 }
 
 // One output element as stored: the total times the row's scale (1 without
-// the norm: exact), rounded to T; with a residual the unfused add
-// T(float(residual) + float(T(value))).
+// the norm: exact), rounded to T; with a residual (its value as a float) the
+// unfused add T(residual + float(T(value))).
 template <typename T>
-__device__ __forceinline__ T out_value(float total, float scale, const T* res, std::int64_t off) {
+__device__ __forceinline__ T out_value(float total, float scale, float residual, bool add) {
   const float v = __fmul_rn(total, scale);
-  if (res == nullptr) return from_float<T>(v);
-  return from_float<T>(__fadd_rn(to_float(res[off]), round_to<T>(v)));
+  if (!add) return from_float<T>(v);
+  return from_float<T>(__fadd_rn(residual, round_to<T>(v)));
 }
 // silu_mul of a gate and an up total (each scaled, then rounded to T: the
 // plain store's rounding), rounded to T: silu_mul_kernel on the unfused output.
@@ -335,8 +337,10 @@ __global__ void __launch_bounds__(Tile<kMT, kNT, kWG>::kThreads, 1)
           if (n >= p.n) continue;
           const std::int64_t off = static_cast<std::int64_t>(m) * p.n + n;
           const float* v = &acc[i][4 * j + 2 * h];
+          const bool add = res != nullptr;
+          const float r0 = add ? to_float(res[off]) : 0.0f, r1 = add ? to_float(res[off + 1]) : 0.0f;
           *reinterpret_cast<std::uint32_t*>(y_row + n) =
-              pack<T>(out_value<T>(v[0], r, res, off), out_value<T>(v[1], r, res, off + 1));
+              pack<T>(out_value<T>(v[0], r, r0, add), out_value<T>(v[1], r, r1, add));
         }
       }
     }
@@ -356,39 +360,6 @@ struct Transposed {
   static constexpr int kSmemBytes = 1024 + kStages * kStageBytes + ring_barrier_bytes(kStages);
   static constexpr int kThreads = (kWarps + 1) * 32;
 };
-
-// The store of rotation pair n (of head n / (d/2), element j = n % (d/2))
-// of row m, from its two outputs as the plain store rounds them: q and k
-// rotated as rotary_write_kv_kernel rotates (products and sum rounded
-// apart), q into y [M, num_heads, d], k and v into the paged cache at the
-// row's slot (none where it is negative): the unfused launches' bits.
-template <typename T>
-__device__ __forceinline__ void rope_store(const Params& p, int m, int n, float lo, float hi) {
-  const GemmInvariantRope& rp = p.rope;
-  const int half = rp.head_dim / 2, head = n / half, j = n % half;
-  if (head >= rp.num_heads + 2 * rp.num_kv_heads) return;
-  if (head < rp.num_heads + rp.num_kv_heads) {
-    const float* cs = rp.cos_sin + rp.positions[m] * rp.head_dim;
-    const float c = cs[j], sn = cs[half + j];
-    const float l = round_to<T>(__fadd_rn(__fmul_rn(lo, c), __fmul_rn(-hi, sn)));
-    hi = round_to<T>(__fadd_rn(__fmul_rn(hi, c), __fmul_rn(lo, sn)));
-    lo = l;
-  }
-  T* dst;
-  if (head < rp.num_heads) {
-    dst = static_cast<T*>(p.y) + (static_cast<std::int64_t>(m) * rp.num_heads + head) * rp.head_dim;
-  } else {
-    const std::int64_t slot = rp.slots[m];
-    if (slot < 0) return;
-    const bool is_k = head < rp.num_heads + rp.num_kv_heads;
-    const int kvh = head - rp.num_heads - (is_k ? 0 : rp.num_kv_heads);
-    const std::int64_t block = slot / rp.block_size;
-    dst = static_cast<T*>(is_k ? rp.k_cache : rp.v_cache) +
-          ((block * rp.num_kv_heads + kvh) * rp.block_size + slot % rp.block_size) * rp.head_dim;
-  }
-  dst[j] = from_float<T>(lo);
-  dst[j + half] = from_float<T>(hi);
-}
 
 // Byte offset of 16-byte chunk c of row r in a 128-byte-swizzled region.
 __device__ __forceinline__ std::uint32_t swizzled(int r, int c) {
@@ -431,6 +402,7 @@ __global__ void __launch_bounds__(Transposed<kWarps, kStages>::kThreads)
       }
     };
     const int early = min(kStages, stages);
+    if (p.trigger_at_start) launch_dependents();
     for (int ks = 0; ks < early; ++ks) {
       mbarrier_expect_bytes(ring.full + 8 * ks, S::kStageBytes);
       load_w(base + ks * S::kStageBytes, ks, ring.full + 8 * ks);
@@ -449,11 +421,29 @@ __global__ void __launch_bounds__(Transposed<kWarps, kStages>::kThreads)
         tma_load_2d(st + h * S::kHalfBytes + S::kWBytes, &p.x_map, (2 * ks + h) * kBK, 0, full);
       }
     }
-    launch_dependents();
+    if (!p.trigger_at_start) launch_dependents();
     return;
   }
 
   grid_dependency_wait();  // x (the norm's sums) and the residual
+  // The residual the store adds into (o, down), read now: under the weight
+  // streams an L2 round trip takes microseconds, and at the store it would
+  // sit on the kernel's tail. The lane's outputs (m, n) of the m16n8
+  // accumulator: rows (weight rows) n = lane / 4 and + 8 (h), columns (x
+  // rows) m = 2 (lane % 4) and + 1 (e); res_in[2 h + e].
+  const T* res = static_cast<const T*>(p.residual);
+  float res_in[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  if (res != nullptr) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int m = 2 * (lane % 4) + e;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int n = row0 + 16 * warp + lane / 4 + 8 * h;
+        if (m < p.m && n < p.n) res_in[2 * h + e] = to_float(res[static_cast<std::int64_t>(m) * p.n + n]);
+      }
+    }
+  }
   // The folded norm's row sums, in row_sq_sum's order: the 128 threads of
   // gemm_row_scale_kernel are 4 virtual warps, shared among the kWarps. Done
   // first, from L2, while the producer's first weight stages stream in.
@@ -500,18 +490,16 @@ __global__ void __launch_bounds__(Transposed<kWarps, kStages>::kThreads)
     if (lane == 0) mbarrier_arrive(ring.empty + 8 * s);
   }
 
-  // The m16n8 accumulator: rows (weight rows) lane / 4 and + 8, columns (x
-  // rows) 2 (lane % 4) and + 1.
   T* y = static_cast<T*>(p.y);
-  const T* res = static_cast<const T*>(p.residual);
 #pragma unroll
   for (int e = 0; e < 2; ++e) {
     const int m = 2 * (lane % 4) + e;
     if (m >= p.m) continue;
     const float r = p.norm_eps > 0.0f ? rms_scale(warp_sums[m], p.k, p.norm_eps) : 1.0f;
     if (p.rope.head_dim) {
-      rope_store<T>(p, m, pair0 + 8 * warp + lane / 4, round_to<T>(__fmul_rn(acc[e], r)),
-                    round_to<T>(__fmul_rn(acc[2 + e], r)));
+      const int n = pair0 + 8 * warp + lane / 4;
+      rope_store<T>(p.rope, y, m, n, round_to<T>(__fmul_rn(acc[e], r)),
+                    round_to<T>(__fmul_rn(acc[2 + e], r)), rope_in(p.rope, m, n));
       continue;
     }
     if (p.inter) {
@@ -523,7 +511,7 @@ __global__ void __launch_bounds__(Transposed<kWarps, kStages>::kThreads)
     for (int h = 0; h < 2; ++h) {
       const int n = row0 + 16 * warp + lane / 4 + 8 * h;
       const std::int64_t off = static_cast<std::int64_t>(m) * p.n + n;
-      if (n < p.n) y[off] = out_value<T>(acc[2 * h + e], r, res, off);
+      if (n < p.n) y[off] = out_value<T>(acc[2 * h + e], r, res_in[2 * h + e], res != nullptr);
     }
   }
 }
@@ -567,6 +555,11 @@ void check_shape(std::int64_t rows, std::int64_t n_out, std::int64_t k_in) {
 template <typename T>
 void dispatch(Params& p, const GemmInvariantTiling& t, DType dtype, cudaStream_t stream) {
   if (t.rows == 0) {  // transposed: 2 or 4 warps (H100: 4 at K = 14336)
+    // o (a residual add, two warps a block: at Llama-3-8B one block an SM)
+    // launches its dependents at its start, so that a gate/up block sits
+    // beside each of its blocks and fetches its first stages meanwhile.
+    // At qkv, gate/up and down the same measured slower (docs/determinism.md).
+    p.trigger_at_start = p.residual != nullptr && t.cols == 32;
     p.x_map = transient_tensor_map_2d(reinterpret_cast<std::uintptr_t>(p.x), p.m, p.k, dtype, 8);
     return t.cols == 64 ? launch_transposed<T, 4, 6>(p, stream)
                         : launch_transposed<T, 2, 8>(p, stream);
@@ -626,7 +619,7 @@ void gemm_invariant(std::uintptr_t y, std::uintptr_t x, std::uintptr_t w, std::i
                     std::int64_t n_out, std::int64_t k_in, DType dtype, std::uintptr_t stream,
                     std::uintptr_t residual, bool silu_mul,
                     float norm_eps, std::uintptr_t row_scale, GemmInvariantTiling tiling,
-                    const GemmInvariantRope& rope) {
+                    const RopeKV& rope) {
   require(dtype == DType::kF16 || dtype == DType::kBF16,
           "gemm_invariant: dtype must be float16 or bfloat16");
   check_shape(rows, n_out, k_in);
@@ -677,7 +670,7 @@ void gemm_invariant(std::uintptr_t y, std::uintptr_t x, std::uintptr_t w, std::i
   p.rope = rope;
   // The weights' boxes: a tile's or block's rows, halved with silu (its gate
   // rows, then its up rows).
-  const int box = transposed ? 16 * (tiling.cols == 64 ? 4 : 2) : tiling.cols;
+  const int box = tiling.cols;  // transposed: 16 weight rows a warp
   // streamed once along k: L2 fetches 256 bytes a row
   const bool paired = silu_mul || rope.head_dim > 0;  // two boxes of half the rows
   p.w_map = tensor_map_2d(w, p.n_w, p.k, dtype, paired ? box / 2 : box, /*l2_256=*/true);

@@ -27,6 +27,7 @@
 
 #include "common.cuh"
 #include "mma.cuh"
+#include "rope_kv.cuh"
 
 namespace turbomq {
 namespace cuda {
@@ -65,16 +66,6 @@ __device__ __forceinline__ void widen8(const uint4& v, float* f) {
 // v into the paged cache (rotary_write_kv fused in, 16-bit caches).
 enum class Prologue { kNone, kRmsNorm };
 enum class Epilogue { kStore, kAddInto, kSiluMul, kRopeKV };
-
-// kRopeKV: where the rotated heads go.
-struct RopeKV {
-  const std::int64_t* positions;  // [rows]
-  const float* cos_sin;           // [max_pos, d] = cat(cos, sin)
-  const std::int64_t* slots;      // [rows]; negative: not stored
-  void* k_cache;                  // [blocks, nkv, block_size, d]
-  void* v_cache;
-  int num_heads, num_kv_heads, head_dim, block_size;
-};
 
 template <typename T, typename TW>
 struct GemvArgs {
@@ -170,63 +161,16 @@ __device__ __forceinline__ void stage_x(const GemvArgs<T, TW>& a, uint4* xs, con
   }
 }
 
-// kRopeKV: what output pair (m, n) needs besides its product: the rotation
-// (cos and sin at its position; q and k heads) and its cache slot (k and v
-// heads). The caller reads it right after grid_dependency_wait, so that its
-// two dependent round trips (the position, then cos and sin) are not on the
-// kernel's tail.
-struct RopeIn {
-  float c, s;
-  std::int64_t slot;
-};
-template <typename T, typename TW>
-__device__ __forceinline__ RopeIn rope_in(const GemvArgs<T, TW>& a, int m, int n) {
-  const RopeKV& rp = a.rope;
-  const int half = rp.head_dim / 2, head = n / half, j = n % half;
-  RopeIn r{0.0f, 0.0f, -1};
-  if (head < rp.num_heads + rp.num_kv_heads) {
-    const float* cs = rp.cos_sin + rp.positions[m] * rp.head_dim;
-    r.c = cs[j];
-    r.s = cs[half + j];
-  }
-  if (head >= rp.num_heads) r.slot = rp.slots[m];
-  return r;
-}
-
 // One output (m, n) of the epilogue, from the fp32 product v and v2: for the
 // paired epilogues the up row of silu_mul or the second row of rotation pair
 // n; for kAddInto the residual y[m, n] as a float (the caller reads it early,
 // right after grid_dependency_wait, so that the read is off the kernel's
-// tail); kRopeKV takes `rin` = rope_in(a, m, n).
+// tail); kRopeKV takes `rin` = rope_in(a.rope, m, n).
 template <typename T, typename TW, Epilogue E>
 __device__ __forceinline__ void store_output(const GemvArgs<T, TW>& a, int m, int n, float v,
                                              float v2, const RopeIn& rin = RopeIn{}) {
   if constexpr (E == Epilogue::kRopeKV) {
-    // Rotated as rotary does (products and sum rounded apart), stored as
-    // rotary_write_kv would.
-    const RopeKV& rp = a.rope;
-    const int half = rp.head_dim / 2, head = n / half, j = n % half;
-    float lo = round_to<T>(v), hi = round_to<T>(v2);
-    if (head < rp.num_heads + rp.num_kv_heads) {
-      const float l = __fadd_rn(__fmul_rn(lo, rin.c), __fmul_rn(-hi, rin.s));
-      hi = __fadd_rn(__fmul_rn(hi, rin.c), __fmul_rn(lo, rin.s));
-      lo = l;
-    }
-    T* dst;
-    if (head < rp.num_heads) {
-      dst = a.y + (static_cast<std::int64_t>(m) * rp.num_heads + head) * rp.head_dim;
-    } else {
-      const std::int64_t slot = rin.slot;
-      if (slot < 0) return;
-      const bool is_k = head < rp.num_heads + rp.num_kv_heads;
-      const int kvh = head - rp.num_heads - (is_k ? 0 : rp.num_kv_heads);
-      const std::int64_t block = slot / rp.block_size;
-      dst = static_cast<T*>(is_k ? rp.k_cache : rp.v_cache) +
-            ((block * rp.num_kv_heads + kvh) * rp.block_size + slot % rp.block_size) *
-                rp.head_dim;
-    }
-    dst[j] = from_float<T>(lo);
-    dst[j + half] = from_float<T>(hi);
+    rope_store<T>(a.rope, a.y, m, n, round_to<T>(v), round_to<T>(v2), rin);
   } else if constexpr (E == Epilogue::kSiluMul) {
     // silu rounded to T before the product, as silu_mul.
     const float g = round_to<T>(v), u = round_to<T>(v2);
@@ -337,7 +281,7 @@ __global__ void __launch_bounds__(W * 32) gemv_kernel(const GemvArgs<T, T> a) {
   }
   RopeIn rin{};
   if constexpr (E == Epilogue::kRopeKV) {
-    if (lane < M && n0 < a.n_out) rin = rope_in(a, lane, n0);
+    if (lane < M && n0 < a.n_out) rin = rope_in(a.rope, lane, n0);
   }
   const uint4* xv = reinterpret_cast<const uint4*>(a.x);
   if constexpr (kSmemX) stage_x<T, T, M, W, P>(a, xs, nws, partial);
@@ -634,7 +578,7 @@ __global__ void __launch_bounds__(kFp8Warps * 32) gemv_fp8_kernel(const GemvArgs
   RopeIn first_rope{};
   if (first_out) {
     if constexpr (E == Epilogue::kAddInto) first_resid = residual(a, threadIdx.x % M, out_col(threadIdx.x));
-    if constexpr (E == Epilogue::kRopeKV) first_rope = rope_in(a, threadIdx.x % M, out_col(threadIdx.x));
+    if constexpr (E == Epilogue::kRopeKV) first_rope = rope_in(a.rope, threadIdx.x % M, out_col(threadIdx.x));
   }
   float sx[M];
   quantize_x<T, M, W, P>(a, layout.staged, xs, nws, xq, partial, sx);
@@ -707,7 +651,7 @@ __global__ void __launch_bounds__(kFp8Warps * 32) gemv_fp8_kernel(const GemvArgs
     if constexpr (kPaired) hi = total(c + 4) * sx[m] * (first ? first_scale[1] : w_scale_of(i, 1));
     if constexpr (E == Epilogue::kAddInto) hi = first ? first_resid : residual(a, m, col);
     RopeIn rin{};
-    if constexpr (E == Epilogue::kRopeKV) rin = first ? first_rope : rope_in(a, m, col);
+    if constexpr (E == Epilogue::kRopeKV) rin = first ? first_rope : rope_in(a.rope, m, col);
     store_output<T, Fp8, E>(a, m, col, lo, hi, rin);
   }
 }

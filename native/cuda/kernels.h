@@ -14,6 +14,20 @@
 namespace turbomq {
 namespace cuda {
 
+// Where a qkv store that fuses rotary and the KV write puts its rows: q
+// [rows, num_heads, head_dim], rotated, into its output; k (rotated) and v
+// into the paged caches [blocks, num_kv_heads, block_size, head_dim] at
+// slots[m] (none where negative); positions [rows] index cos_sin
+// [max_pos, head_dim] = cat(cos, sin). head_dim 0: no such store.
+struct RopeKV {
+  const std::int64_t* positions = nullptr;
+  const float* cos_sin = nullptr;
+  const std::int64_t* slots = nullptr;
+  void* k_cache = nullptr;
+  void* v_cache = nullptr;
+  int num_heads = 0, num_kv_heads = 0, head_dim = 0, block_size = 0;
+};
+
 // Element types, numbered as the Python wrapper passes them.
 enum class DType : int { kF32 = 0, kF16 = 1, kBF16 = 2, kI8 = 3 };
 
@@ -148,22 +162,13 @@ GemmInvariantTiling gemm_invariant_tiling(std::int64_t rows, std::int64_t n_out,
 // pools), the transposed shape only (decode): w's rows are the q, k and v
 // heads ([(num_heads + 2 num_kv_heads) head_dim, K]); y is q
 // [rows, num_heads, head_dim], rotated; k (rotated) and v go to the paged
-// caches [blocks, num_kv_heads, block_size, head_dim] at slots[m] (none
-// where negative); positions [rows] index cos_sin [max_pos, head_dim] =
-// cat(cos, sin). Bit for bit the plain launch followed by rotary_write_kv.
-struct GemmInvariantRope {
-  const std::int64_t* positions = nullptr;
-  const float* cos_sin = nullptr;
-  const std::int64_t* slots = nullptr;
-  void* k_cache = nullptr;
-  void* v_cache = nullptr;
-  int num_heads = 0, num_kv_heads = 0, head_dim = 0, block_size = 0;  // head_dim 0: none
-};
+// caches at slots[m] (RopeKV). Bit for bit the plain launch followed by
+// rotary_write_kv.
 void gemm_invariant(std::uintptr_t y, std::uintptr_t x, std::uintptr_t w, std::int64_t rows,
                     std::int64_t n_out, std::int64_t k_in, DType dtype, std::uintptr_t stream,
                     std::uintptr_t residual = 0, bool silu_mul = false, float norm_eps = 0.0f,
                     std::uintptr_t row_scale = 0, GemmInvariantTiling tiling = {-1, 0},
-                    const GemmInvariantRope& rope = {});
+                    const RopeKV& rope = {});
 
 // Per-row FP8 (E4M3) quantization of x [rows, hidden] (rows x_stride elements
 // apart, 16-byte aligned; hidden a multiple of 8), after rms_norm(x,

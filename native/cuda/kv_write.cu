@@ -3,6 +3,7 @@
 // and KV head, as reference.quantize_int8). rotary_write_kv: rotary on q and
 // k fused with that write (one launch instead of two).
 #include "common.cuh"
+#include "rope_kv.cuh"
 
 namespace turbomq {
 namespace cuda {
@@ -37,9 +38,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) write_kv_kernel(const Wri
   const std::int64_t tok = (item >> 1) / a.num_kv_heads;
   const std::int64_t slot = a.slot_mapping[tok];
   if (slot < 0) return;
-  const std::int64_t block = slot / a.block_size;
-  const int offset = static_cast<int>(slot % a.block_size);
-  const std::int64_t row = (block * a.num_kv_heads + head) * a.block_size + offset;
+  const std::int64_t row = cache_row(slot, head, a.num_kv_heads, a.block_size);
   const T* src = static_cast<const T*>(is_v ? a.v : a.k) +
                  tok * (is_v ? a.v_stride_tok : a.k_stride_tok) +
                  head * (is_v ? a.v_stride_head : a.k_stride_head);
@@ -131,11 +130,7 @@ __global__ void __launch_bounds__(128) rotary_write_kv_kernel(const RopeWriteArg
     *reinterpret_cast<float4*>(s) = __ldg(sv);
     *reinterpret_cast<float4*>(s + 4) = __ldg(sv + 1);
 #pragma unroll
-    for (int e = 0; e < 8; ++e) {
-      const float x0 = lo[e], x1 = hi[e];
-      lo[e] = round_to<T>(__fadd_rn(__fmul_rn(x0, c[e]), __fmul_rn(-x1, s[e])));
-      hi[e] = round_to<T>(__fadd_rn(__fmul_rn(x1, c[e]), __fmul_rn(x0, s[e])));
-    }
+    for (int e = 0; e < 8; ++e) rotate_pair<T>(lo[e], hi[e], c[e], s[e]);
   }
   if (kind == 0) {
     T* dst = static_cast<T*>(a.q_out) + (tok * a.num_heads + head) * d;
@@ -145,9 +140,7 @@ __global__ void __launch_bounds__(128) rotary_write_kv_kernel(const RopeWriteArg
   }
   const std::int64_t slot = a.slot_mapping[tok];
   if (slot < 0) return;  // the whole group shares the token
-  const std::int64_t block = slot / a.block_size;
-  const int offset = static_cast<int>(slot % a.block_size);
-  const std::int64_t crow = (block * a.num_kv_heads + head) * a.block_size + offset;
+  const std::int64_t crow = cache_row(slot, head, a.num_kv_heads, a.block_size);
   const bool is_v = kind == 2;
   if constexpr (!kInt8) {
     T* dst = static_cast<T*>(is_v ? a.v_cache : a.k_cache) + crow * d;

@@ -554,11 +554,11 @@ void check_shape(std::int64_t rows, std::int64_t n_out, std::int64_t k_in) {
 
 template <typename T>
 void dispatch(Params& p, const GemmInvariantTiling& t, DType dtype, cudaStream_t stream) {
-  if (t.rows == 0) {  // transposed: 2 or 4 warps (H100: 4 at K = 14336)
-    // o (a residual add, two warps a block: at Llama-3-8B one block an SM)
-    // launches its dependents at its start, so that a gate/up block sits
-    // beside each of its blocks and fetches its first stages meanwhile.
-    // At qkv, gate/up and down the same measured slower (docs/determinism.md).
+  if (t.rows == 0) {  // transposed: 2 or 4 warps (gemm_invariant_tiling)
+    // Two warps a block (o) launch their dependents at the start, so that a
+    // gate/up block sits beside each of theirs and fetches its first stages
+    // meanwhile; at qkv, gate/up and down that measured slower
+    // (docs/determinism.md).
     p.trigger_at_start = p.residual != nullptr && t.cols == 32;
     p.x_map = transient_tensor_map_2d(reinterpret_cast<std::uintptr_t>(p.x), p.m, p.k, dtype, 8);
     return t.cols == 64 ? launch_transposed<T, 4, 6>(p, stream)
@@ -587,12 +587,15 @@ void dispatch(Params& p, const GemmInvariantTiling& t, DType dtype, cudaStream_t
 // (~3 TB/s): below that floor the fewest MMAs win. Up to 64 rows a 128-row
 // tile would be half empty, so 64 x 128. Wide tiles fill the last round:
 // gate_up at 256 rows is 2 x 128 tiles of 128 x 224, where 128 x 128 runs
-// 3.4 rounds.
+// 3.4 rounds. Decode rows take the transposed shape, in blocks of four warps
+// but for o (a residual add over K <= 8192): two warps a block, one block an
+// SM at Llama-3-8B, which leaves room beside it for the next projection's
+// (measured in the decode graph, docs/determinism.md).
 GemmInvariantTiling gemm_invariant_tiling(std::int64_t rows, std::int64_t n_out,
-                                          std::int64_t k_in) {
+                                          std::int64_t k_in, bool residual) {
   check_shape(rows, n_out, k_in);
   if (rows <= kGemmInvariantTransposedMaxRows) {
-    return {0, k_in > 8192 ? 64 : 32};
+    return {0, residual && k_in <= 8192 ? 32 : 64};
   }
   if (rows <= 64) return {64, 128};
   const std::int64_t sms = sm_count();
@@ -629,7 +632,7 @@ void gemm_invariant(std::uintptr_t y, std::uintptr_t x, std::uintptr_t w, std::i
   require(!silu_mul || (n_out % 16 == 0 && residual == 0),
           "gemm_invariant: silu_mul needs N a multiple of 16 and no residual");
   require(norm_eps >= 0.0f, "gemm_invariant: norm_eps must be >= 0");
-  if (tiling.rows == -1) tiling = gemm_invariant_tiling(rows, n_out, k_in);
+  if (tiling.rows == -1) tiling = gemm_invariant_tiling(rows, n_out, k_in, residual != 0);
   const bool transposed = tiling.rows == 0;
   require(!transposed || rows <= kGemmInvariantTransposedMaxRows,
           "gemm_invariant: the transposed shape takes at most " +

@@ -157,7 +157,7 @@ struct GemmInvariantTiling {
   int cols;  // tile weight rows (128; with 128 rows 64 to 256 by 32); transposed: 32 or 64
 };
 GemmInvariantTiling gemm_invariant_tiling(std::int64_t rows, std::int64_t n_out,
-                                          std::int64_t k_in);
+                                          std::int64_t k_in, bool residual = false);
 // The qkv projection's store fused with rotary and the KV write (16-bit
 // pools), the transposed shape only (decode): w's rows are the q, k and v
 // heads ([(num_heads + 2 num_kv_heads) head_dim, K]); y is q

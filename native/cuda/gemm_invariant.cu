@@ -533,16 +533,20 @@ void launch_tiled(Params p, DType dtype, cudaStream_t stream) {
                       "gemm_tiled_kernel");
 }
 
+// The transposed shape's grid: a block per 16 x warps weight rows (8 x warps
+// row pairs with silu or rope).
+int transposed_blocks(const Params& p, int warps) {
+  return p.inter || p.rope.head_dim ? ceil_div(p.n_w / 2, 8 * warps) : ceil_div(p.n_w, 16 * warps);
+}
+
 template <typename T, int kWarps, int kStages>
 void launch_transposed(const Params& p, cudaStream_t stream) {
   using S = Transposed<kWarps, kStages>;
   auto kernel = gemm_transposed_kernel<T, kWarps, kStages>;
   static bool opted_in = false;
   opt_in_smem(kernel, S::kSmemBytes, opted_in, "gemm_invariant: shared memory opt-in");
-  const int blocks = p.inter || p.rope.head_dim ? ceil_div(p.n_w / 2, 8 * kWarps)
-                                                : ceil_div(p.n_w, S::kWRows);
-  launch_programmatic(kernel, p, dim3(blocks), S::kThreads, S::kSmemBytes, stream,
-                      "gemm_transposed_kernel");
+  launch_programmatic(kernel, p, dim3(transposed_blocks(p, kWarps)), S::kThreads, S::kSmemBytes,
+                      stream, "gemm_transposed_kernel");
 }
 
 void check_shape(std::int64_t rows, std::int64_t n_out, std::int64_t k_in) {
@@ -561,8 +565,11 @@ void dispatch(Params& p, const GemmInvariantTiling& t, DType dtype, cudaStream_t
     // (docs/determinism.md).
     p.trigger_at_start = p.residual != nullptr && t.cols == 32;
     p.x_map = transient_tensor_map_2d(reinterpret_cast<std::uintptr_t>(p.x), p.m, p.k, dtype, 8);
-    return t.cols == 64 ? launch_transposed<T, 4, 6>(p, stream)
-                        : launch_transposed<T, 2, 8>(p, stream);
+    if (t.cols == 32) return launch_transposed<T, 2, 8>(p, stream);
+    // Four warps: a ring of 8 stages (144 KiB) where the grid is one block an
+    // SM or less (qkv, down at Llama-3-8B), else 6, so that two blocks fit.
+    return transposed_blocks(p, 4) <= sm_count() ? launch_transposed<T, 4, 8>(p, stream)
+                                                 : launch_transposed<T, 4, 6>(p, stream);
   }
   if (t.rows == 64) return launch_tiled<T, 64, 128, 1>(p, dtype, stream);
   if (t.rows == 256) return launch_tiled<T, 256, 128, 2>(p, dtype, stream);

@@ -338,9 +338,10 @@ __global__ void __launch_bounds__(Tile<kMT, kNT, kWG>::kThreads, 1)
           const std::int64_t off = static_cast<std::int64_t>(m) * p.n + n;
           const float* v = &acc[i][4 * j + 2 * h];
           const bool add = res != nullptr;
-          const float r0 = add ? to_float(res[off]) : 0.0f, r1 = add ? to_float(res[off + 1]) : 0.0f;
+          const float res0 = add ? to_float(res[off]) : 0.0f;
+          const float res1 = add ? to_float(res[off + 1]) : 0.0f;
           *reinterpret_cast<std::uint32_t*>(y_row + n) =
-              pack<T>(out_value<T>(v[0], r, r0, add), out_value<T>(v[1], r, r1, add));
+              pack<T>(out_value<T>(v[0], r, res0, add), out_value<T>(v[1], r, res1, add));
         }
       }
     }

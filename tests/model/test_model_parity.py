@@ -4,6 +4,8 @@ chunks, with history) and greedy tokens through the whole engine."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import pytest
 import torch
 
@@ -11,6 +13,9 @@ from helpers import CONFIGS, make_hf_model, our_logits
 from turbomq.worker import Engine, EngineConfig, SamplingParams
 from turbomq.worker.model.llama import LlamaModel
 from turbomq.worker.model.weights import load_checkpoint
+
+if TYPE_CHECKING:
+    from transformers import LlamaForCausalLM
 
 PROMPT_LENGTHS = (1, 7, 33, 100)
 

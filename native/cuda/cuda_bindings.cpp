@@ -131,7 +131,7 @@ void bind_cuda(py::module_& parent) {
         const std::int64_t n_out =
             static_cast<std::int64_t>(num_heads + 2 * num_kv_heads) * head_dim;
         cuda::gemm_invariant(y, x, w, rows, n_out, k_in, dtype, stream, 0, false, norm_eps, 0,
-                             cuda::gemm_invariant_tiling(rows, n_out, k_in), rope);
+                             {-1, 0}, rope);
       },
       py::arg("y"), py::arg("x"), py::arg("w"), py::arg("rows"), py::arg("k_in"),
       py::arg("dtype"), py::arg("stream"), py::arg("norm_eps"), py::arg("positions"),

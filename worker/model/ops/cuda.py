@@ -805,7 +805,7 @@ def qkv_rotary_write_kv_invariant(x: torch.Tensor, weight: torch.Tensor,
     if not (_native_ok(x, weight) and _rope_store_ok(x, weight, kv, cos_sin, num_heads)
             and 0 < t <= _k.GEMM_INVARIANT_TRANSPOSED_MAX_ROWS and weight.dtype == x.dtype
             and k_in % 8 == 0 and weight.is_contiguous() and weight.data_ptr() % 16 == 0
-            and d % 64 == 0  # a block's pairs (16 or 32) inside half a head
+            and d % 64 == 0  # a block's 32 rotation pairs inside half a head
             and (norm_eps is None or norm_eps > 0)):
         return None
     positions = positions.to(torch.int64).contiguous()

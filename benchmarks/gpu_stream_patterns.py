@@ -19,7 +19,10 @@ one of the engine's decode projections and in a row-contiguous variant of it:
   rows, a 4-deep ring of 8 KiB stages, about 41 KiB of shared memory so
   five blocks an SM): a stage is a quarter (256 bytes) of each of 4 warps'
   1 KiB chunks of every row, 1 KiB apart; gemv_c: the same blocks and
-  stages, a stage 1 KiB contiguous of every row (the 16-bit GEMV's order).
+  stages, a stage 1 KiB contiguous of every row (the 16-bit GEMV's order);
+- gemv16s: the 16-bit GEMV's blocks (8 warps over 16 rows, a 4-deep ring of
+  stages of 1 KiB of each row), a block a tile; gemv16p: the same stages,
+  two blocks an SM over contiguous ranges of tiles.
 
 gate/up's bytes for every order (16-bit and FP8), and down, qkv and o for
 the FP8 ones.
@@ -27,7 +30,7 @@ the FP8 ones.
 Each reads its bytes from HBM (the launches rotate over 1 GiB). Timing: a
 CUDA graph of 20 launches, the median of 5 replays (gpu_kernels.time_graph).
 
-    python benchmarks/gpu_stream_patterns.py --out DIR
+    python benchmarks/gpu_stream_patterns.py --out DIR [--case KIND:ROWS:BYTES ...]
 
 Writes stream_patterns.md into DIR. GPU only; builds its kernels with
 torch.utils.cpp_extension."""
@@ -204,6 +207,32 @@ __global__ void __launch_bounds__(256) fp8_stage(const uint8_t* w, int tiles, in
   if (acc == 0x12345678u) out[blockIdx.x] = acc;
 }
 
+// gemv16s / gemv16p: the 16-bit GEMV's order: a block of 8 warps over tiles
+// of 16 rows, a stage 1 KiB contiguous of each of the tile's rows (16 KiB), a
+// ring of 4. gemv16s: a block a tile; gemv16p: two blocks an SM, each a
+// contiguous range of tiles, the ring running on across them.
+template <bool kPersistent>
+__global__ void __launch_bounds__(256) gemv16_stage(const uint8_t* w, int tiles, int row_bytes, unsigned* out) {
+  extern __shared__ __align__(128) uint8_t smem[];
+  const int t0 = kPersistent ? static_cast<int>(static_cast<int64_t>(blockIdx.x) * tiles / gridDim.x) : blockIdx.x;
+  const int t1 = kPersistent ? static_cast<int>(static_cast<int64_t>(blockIdx.x + 1) * tiles / gridDim.x) : blockIdx.x + 1;
+  const int per_tile = row_bytes / 1024;
+  const int stages = (t1 - t0) * per_tile;
+  auto issue = [&](int s) {
+    if (s < stages) {
+      const uint8_t* tb = w + static_cast<int64_t>(t0 + s / per_tile) * 16 * row_bytes + 1024 * (s % per_tile);
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const int i = threadIdx.x + 256 * q;
+        cp_async16(smem + (s % 4) * 16384 + 16 * i, tb + static_cast<int64_t>(i / 64) * row_bytes + 16 * (i % 64));
+      }
+    }
+    asm volatile("cp.async.commit_group;");
+  };
+  const unsigned acc = read_ring<256, 16384, false>(smem, stages, issue);
+  if (acc == 0x12345678u) out[blockIdx.x] = acc;
+}
+
 // gemv_q / gemv_c (kContig): the gemv shape's block over 8 rows.
 template <bool kContig>
 __global__ void __launch_bounds__(128) gemv_shape(const uint8_t* w, int row_bytes, unsigned* out) {
@@ -247,6 +276,10 @@ void run(const std::string& kind, torch::Tensor w, int64_t offset, int64_t rows,
     const int blocks = kind == "fp8_stage" ? 2 * sms : kind == "fp8_stage_x3" ? 3 * sms : rows / 8;
     cudaFuncSetAttribute(fp8_stage, cudaFuncAttributeMaxDynamicSharedMemorySize, 65536);
     fp8_stage<<<blocks, 256, 65536, s>>>(p, rows / 8, row_bytes, o);
+  } else if (kind == "gemv16s" || kind == "gemv16p") {
+    auto k = kind == "gemv16p" ? gemv16_stage<true> : gemv16_stage<false>;
+    cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, 65536);
+    k<<<kind == "gemv16p" ? 2 * sms : rows / 16, 256, 65536, s>>>(p, rows / 16, row_bytes, o);
   } else if (kind == "gemv_q" || kind == "gemv_c") {
     auto k = kind == "gemv_c" ? gemv_shape<true> : gemv_shape<false>;
     cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, 41 * 1024);
@@ -275,7 +308,10 @@ CASES = [("gemv16", 28672, 8192), ("split", 28672, 8192), ("split_rows", 28672, 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--case", action="append", default=[], metavar="KIND:ROWS:BYTES",
+                    help="time these orders and shapes instead of the default list")
     args = ap.parse_args()
+    cases = [(k, int(r), int(b)) for k, r, b in (c.split(":") for c in args.case)] or CASES
     if not torch.cuda.is_available():
         raise SystemExit("gpu_stream_patterns: needs a CUDA device")
     mod = load_inline("stream_patterns", CPP_SRC, cuda_sources=CUDA_SRC, functions=["run"],
@@ -288,7 +324,7 @@ def main() -> None:
              "bytes (rows x bytes a row) in each projection's order, a CUDA graph of 20 "
              "launches rotating over 1 GiB.", "",
              "| order | rows x bytes | MB a launch | µs | TB/s |", "| --- | --- | ---: | ---: | ---: |"]
-    for kind, rows, row_bytes in CASES:
+    for kind, rows, row_bytes in cases:
         size = rows * row_bytes
         offsets = [(i * size) % ((1 << 30) - size) // 4096 * 4096 for i in range(20)]
         us = 1e6 * gpu_kernels.time_graph(

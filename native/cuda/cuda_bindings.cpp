@@ -91,11 +91,12 @@ void bind_cuda(py::module_& parent) {
   m.def("prefill_attention_tma", &cuda::prefill_attention_tma);
   m.def(
       "gemm_invariant_tiling",
-      [](std::int64_t rows, std::int64_t n_out, std::int64_t k_in, bool residual) {
-        const auto t = cuda::gemm_invariant_tiling(rows, n_out, k_in, residual);
+      [](std::int64_t rows, std::int64_t n_out, std::int64_t k_in, bool residual, bool silu) {
+        const auto t = cuda::gemm_invariant_tiling(rows, n_out, k_in, residual, silu);
         return std::make_pair(t.rows, t.cols);
       },
-      py::arg("rows"), py::arg("n_out"), py::arg("k_in"), py::arg("residual") = false);
+      py::arg("rows"), py::arg("n_out"), py::arg("k_in"), py::arg("residual") = false,
+      py::arg("silu") = false);
   m.def(
       "gemm_invariant",
       [](std::uintptr_t y, std::uintptr_t x, std::uintptr_t w, std::int64_t rows,

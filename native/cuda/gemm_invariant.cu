@@ -560,13 +560,21 @@ void check_shape(std::int64_t rows, std::int64_t n_out, std::int64_t k_in) {
 template <typename T>
 void dispatch(Params& p, const GemmInvariantTiling& t, DType dtype, cudaStream_t stream) {
   if (t.rows == 0) {  // transposed: 2 or 4 warps (gemm_invariant_tiling)
-    // Two warps a block (o) launch their dependents at the start, so that a
-    // gate/up block sits beside each of theirs and fetches its first stages
-    // meanwhile; at qkv, gate/up and down that measured slower
-    // (docs/determinism.md).
-    p.trigger_at_start = p.residual != nullptr && t.cols == 32;
+    // o (a residual add over K <= 8192) launches its dependents at the
+    // start, so that a gate/up block sits beside each of its blocks and
+    // fetches its first stages meanwhile; at qkv, gate/up and down that
+    // measured slower (docs/determinism.md).
+    const bool o_shape = p.residual != nullptr && p.k <= 8192;
+    p.trigger_at_start = o_shape && t.cols == 32;
     p.x_map = transient_tensor_map_2d(reinterpret_cast<std::uintptr_t>(p.x), p.m, p.k, dtype, 8);
-    if (t.cols == 32) return launch_transposed<T, 2, 8>(p, stream);
+    if (t.cols == 32) {
+      // Two warps: gate/up a ring of 3 stages (31 KiB), so that seven blocks
+      // fit an SM and its grid runs in one wave (896 blocks at Llama-3-8B);
+      // down 16 stages (160 KiB, one block an SM); o 8.
+      if (p.inter) return launch_transposed<T, 2, 3>(p, stream);
+      if (p.residual != nullptr && !o_shape) return launch_transposed<T, 2, 16>(p, stream);
+      return launch_transposed<T, 2, 8>(p, stream);
+    }
     // Four warps: a ring of 8 stages (144 KiB) where the grid is one block an
     // SM or less (qkv, down at Llama-3-8B), else 6, so that two blocks fit.
     return transposed_blocks(p, 4) <= sm_count() ? launch_transposed<T, 4, 8>(p, stream)
@@ -595,16 +603,15 @@ void dispatch(Params& p, const GemmInvariantTiling& t, DType dtype, cudaStream_t
 // (~3 TB/s): below that floor the fewest MMAs win. Up to 64 rows a 128-row
 // tile would be half empty, so 64 x 128. Wide tiles fill the last round:
 // gate_up at 256 rows is 2 x 128 tiles of 128 x 224, where 128 x 128 runs
-// 3.4 rounds. Decode rows take the transposed shape, in blocks of four warps
-// but for o (a residual add over K <= 8192): two warps a block, one block an
-// SM at Llama-3-8B, which leaves room beside it for the next projection's
-// (measured in the decode graph, docs/determinism.md).
+// 3.4 rounds. Decode rows take the transposed shape: two warps a block for
+// the projections with a store of their own (o and down, which add into the
+// residual; gate/up, silu_mul), four for the plain ones (qkv, the LM head),
+// each with the ring dispatch() gives it (measured in the decode graph,
+// docs/determinism.md).
 GemmInvariantTiling gemm_invariant_tiling(std::int64_t rows, std::int64_t n_out,
-                                          std::int64_t k_in, bool residual) {
+                                          std::int64_t k_in, bool residual, bool silu) {
   check_shape(rows, n_out, k_in);
-  if (rows <= kGemmInvariantTransposedMaxRows) {
-    return {0, residual && k_in <= 8192 ? 32 : 64};
-  }
+  if (rows <= kGemmInvariantTransposedMaxRows) return {0, residual || silu ? 32 : 64};
   if (rows <= 64) return {64, 128};
   const std::int64_t sms = sm_count();
   const double floor_us = static_cast<double>(n_out) * 2 * 4096 / 3.0e6;
@@ -640,7 +647,7 @@ void gemm_invariant(std::uintptr_t y, std::uintptr_t x, std::uintptr_t w, std::i
   require(!silu_mul || (n_out % 16 == 0 && residual == 0),
           "gemm_invariant: silu_mul needs N a multiple of 16 and no residual");
   require(norm_eps >= 0.0f, "gemm_invariant: norm_eps must be >= 0");
-  if (tiling.rows == -1) tiling = gemm_invariant_tiling(rows, n_out, k_in, residual != 0);
+  if (tiling.rows == -1) tiling = gemm_invariant_tiling(rows, n_out, k_in, residual != 0, silu_mul);
   const bool transposed = tiling.rows == 0;
   require(!transposed || rows <= kGemmInvariantTransposedMaxRows,
           "gemm_invariant: the transposed shape takes at most " +

@@ -156,10 +156,11 @@ struct GemmInvariantTiling {
   int rows;  // tile rows (64, 128, 256); 0: the transposed shape; -1: choose
   int cols;  // tile weight rows (128; with 128 rows 64 to 256 by 32); transposed: 32 or 64
 };
-// residual: the product adds into a residual (the transposed shape's width
-// depends on it: two warps a block for o, four otherwise).
+// residual: the product adds into a residual; silu: silu_mul (the transposed
+// shape's width depends on them: two warps a block with either, four without).
 GemmInvariantTiling gemm_invariant_tiling(std::int64_t rows, std::int64_t n_out,
-                                          std::int64_t k_in, bool residual = false);
+                                          std::int64_t k_in, bool residual = false,
+                                          bool silu = false);
 // The qkv projection's store fused with rotary and the KV write (16-bit
 // pools), the transposed shape only (decode): w's rows are the q, k and v
 // heads ([(num_heads + 2 num_kv_heads) head_dim, K]); y is q

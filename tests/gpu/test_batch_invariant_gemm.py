@@ -49,12 +49,14 @@ def assert_rows_equal(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
 
 
 def test_tiling_choice():
-    """The transposed shape up to FEW rows (four warps a block, two for o: a
-    residual add over K <= 8192), 64 x 128 to 64 rows, then the tile whose
+    """The transposed shape up to FEW rows (two warps a block with a residual
+    add or silu_mul, four without), 64 x 128 to 64 rows, then the tile whose
     rounds finish first (H100: 132 SMs)."""
     t = cuda_ops._k.gemm_invariant_tiling
-    assert t(1, 4096, 4096) == (0, 64) and t(FEW, 4096, 14336, residual=True) == (0, 64)
+    assert t(1, 4096, 4096) == (0, 64) and t(FEW, 6144, 4096) == (0, 64)
     assert t(1, 4096, 4096, residual=True) == (0, 32)
+    assert t(FEW, 4096, 14336, residual=True) == (0, 32)
+    assert t(1, 28672, 4096, silu=True) == (0, 32)
     assert t(FEW + 1, 4096, 4096) == (64, 128) and t(128, 4096, 4096) == (64, 128)
     assert t(8192, 6144, 4096) == (128, 256)
     assert t(300, 4096, 4096)[0] == 128

@@ -890,7 +890,8 @@ def linear_invariant(x: torch.Tensor, weight: torch.Tensor, *,
         tile_rows, tile_cols = _TILINGS[tiling]
         if tile_rows == -1:
             tile_rows, tile_cols = _k.gemm_invariant_tiling(rows, n_out, k_in,
-                                                            residual=residual is not None)
+                                                            residual=residual is not None,
+                                                            silu=silu)
         scales = None  # the folded norm's row scales, for the tiled shape
         if norm_eps is not None and tile_rows != 0:
             scales = torch.empty(rows, dtype=torch.float32, device=x.device)

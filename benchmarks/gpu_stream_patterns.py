@@ -183,48 +183,31 @@ __device__ __forceinline__ unsigned read_ring(const uint8_t* smem, int stages, I
   return acc;
 }
 
-// fp8_stage: the FP8 GEMV's blocks and tiles (contiguous tile ranges over the
-// grid), the weights copied by the whole block with cp.async in stages of
-// 8 rows x 2 KiB (16 KiB), a ring of 4, a barrier a stage (as the split shape).
-__global__ void __launch_bounds__(256) fp8_stage(const uint8_t* w, int tiles, int row_bytes, unsigned* out) {
+// Tiles of kTileRows rows, each block a contiguous range of them (a tile a
+// block where the grid has as many blocks as tiles), the weights copied by
+// the whole block with cp.async in stages of kChunk contiguous bytes of each
+// of the tile's rows (16 KiB), a ring of 4, a barrier a stage (as the split
+// shape). fp8_stage: the FP8 GEMV's blocks and tiles (8 rows x 2 KiB);
+// gemv16s / gemv16p: the 16-bit GEMV's (16 rows x 1 KiB), a block a tile or
+// two blocks an SM.
+template <int kTileRows, int kChunk>
+__global__ void __launch_bounds__(256) row_stages(const uint8_t* w, int tiles, int row_bytes, unsigned* out) {
+  static_assert(kTileRows * kChunk == 16384, "a stage is 16 KiB");
+  constexpr int kRowChunks = kChunk / 16;  // 16-byte copies a row a stage
   extern __shared__ __align__(128) uint8_t smem[];
   const int t0 = static_cast<int>(static_cast<int64_t>(blockIdx.x) * tiles / gridDim.x);
   const int t1 = static_cast<int>(static_cast<int64_t>(blockIdx.x + 1) * tiles / gridDim.x);
-  const int per_tile = row_bytes / 2048;
+  const int per_tile = row_bytes / kChunk;
   const int stages = (t1 - t0) * per_tile;
   auto issue = [&](int s) {
     if (s < stages) {
-      const uint8_t* tb = w + static_cast<int64_t>(t0 + s / per_tile) * 8 * row_bytes + 2048 * (s % per_tile);
+      const uint8_t* tb = w + static_cast<int64_t>(t0 + s / per_tile) * kTileRows * row_bytes +
+                          kChunk * (s % per_tile);
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
         const int i = threadIdx.x + 256 * q;
-        cp_async16(smem + (s % 4) * 16384 + 16 * i, tb + static_cast<int64_t>(i / 128) * row_bytes + 16 * (i % 128));
-      }
-    }
-    asm volatile("cp.async.commit_group;");
-  };
-  const unsigned acc = read_ring<256, 16384, false>(smem, stages, issue);
-  if (acc == 0x12345678u) out[blockIdx.x] = acc;
-}
-
-// gemv16s / gemv16p: the 16-bit GEMV's order: a block of 8 warps over tiles
-// of 16 rows, a stage 1 KiB contiguous of each of the tile's rows (16 KiB), a
-// ring of 4. gemv16s: a block a tile; gemv16p: two blocks an SM, each a
-// contiguous range of tiles, the ring running on across them.
-template <bool kPersistent>
-__global__ void __launch_bounds__(256) gemv16_stage(const uint8_t* w, int tiles, int row_bytes, unsigned* out) {
-  extern __shared__ __align__(128) uint8_t smem[];
-  const int t0 = kPersistent ? static_cast<int>(static_cast<int64_t>(blockIdx.x) * tiles / gridDim.x) : blockIdx.x;
-  const int t1 = kPersistent ? static_cast<int>(static_cast<int64_t>(blockIdx.x + 1) * tiles / gridDim.x) : blockIdx.x + 1;
-  const int per_tile = row_bytes / 1024;
-  const int stages = (t1 - t0) * per_tile;
-  auto issue = [&](int s) {
-    if (s < stages) {
-      const uint8_t* tb = w + static_cast<int64_t>(t0 + s / per_tile) * 16 * row_bytes + 1024 * (s % per_tile);
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const int i = threadIdx.x + 256 * q;
-        cp_async16(smem + (s % 4) * 16384 + 16 * i, tb + static_cast<int64_t>(i / 64) * row_bytes + 16 * (i % 64));
+        cp_async16(smem + (s % 4) * 16384 + 16 * i,
+                   tb + static_cast<int64_t>(i / kRowChunks) * row_bytes + 16 * (i % kRowChunks));
       }
     }
     asm volatile("cp.async.commit_group;");
@@ -274,12 +257,12 @@ void run(const std::string& kind, torch::Tensor w, int64_t offset, int64_t rows,
     k<<<rows / 128 * chunks, 256, 65536, s>>>(p, row_bytes, chunks, o);
   } else if (kind == "fp8_stage" || kind == "fp8_stage_x3" || kind == "fp8_stage_t1") {
     const int blocks = kind == "fp8_stage" ? 2 * sms : kind == "fp8_stage_x3" ? 3 * sms : rows / 8;
-    cudaFuncSetAttribute(fp8_stage, cudaFuncAttributeMaxDynamicSharedMemorySize, 65536);
-    fp8_stage<<<blocks, 256, 65536, s>>>(p, rows / 8, row_bytes, o);
+    cudaFuncSetAttribute(row_stages<8, 2048>, cudaFuncAttributeMaxDynamicSharedMemorySize, 65536);
+    row_stages<8, 2048><<<blocks, 256, 65536, s>>>(p, rows / 8, row_bytes, o);
   } else if (kind == "gemv16s" || kind == "gemv16p") {
-    auto k = kind == "gemv16p" ? gemv16_stage<true> : gemv16_stage<false>;
-    cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, 65536);
-    k<<<kind == "gemv16p" ? 2 * sms : rows / 16, 256, 65536, s>>>(p, rows / 16, row_bytes, o);
+    cudaFuncSetAttribute(row_stages<16, 1024>, cudaFuncAttributeMaxDynamicSharedMemorySize, 65536);
+    row_stages<16, 1024><<<kind == "gemv16p" ? 2 * sms : rows / 16, 256, 65536, s>>>(
+        p, rows / 16, row_bytes, o);
   } else if (kind == "gemv_q" || kind == "gemv_c") {
     auto k = kind == "gemv_c" ? gemv_shape<true> : gemv_shape<false>;
     cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, 41 * 1024);

@@ -139,7 +139,9 @@ __device__ __forceinline__ void combine_partitions(const Params& p, const Tile& 
 
 // Lane (g = lane / 4, c = lane % 4) owns, for chunk j, dims
 // [kChunk * (4 * j + c), + kChunk) of a token: one 16-byte load.
-template <typename T, bool kInt8, int D>
+// kLoadAhead: a warp loads its next group while it computes the current one
+// (as INT8 always does), for 16-bit KV too.
+template <typename T, bool kInt8, int D, bool kLoadAhead>
 __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const Params p) {
   constexpr int kChunk = kInt8 ? 16 : 8;  // elements per 16-byte load
   constexpr int kJ = D / (4 * kChunk);     // loads per token per lane
@@ -254,7 +256,7 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const Params 
   };
   // INT8 groups are half the bytes of 16-bit ones: each warp loads the next
   // group while it computes this one, so as many bytes are in flight.
-  constexpr bool kPrefetch = kInt8;
+  constexpr bool kPrefetch = kInt8 || kLoadAhead;
   constexpr int kStep = kWarps * kGroupTokens;
   uint4 kraw[2][kJ], vraw[2][kJ], knext[2][kJ], vnext[2][kJ];
   float ks[2], vs[2], ksnext[2], vsnext[2];
@@ -443,10 +445,14 @@ __global__ void __launch_bounds__(kThreads) attention_reduce_kernel(const Params
 bool g_attention_programmatic = true;
 
 template <typename T, bool kInt8, int D>
-void launch(const Params& p, int num_tiles, cudaStream_t stream) {
+void launch(const Params& p, bool load_ahead, int num_tiles, cudaStream_t stream) {
   const dim3 grid(num_tiles, p.num_kv_heads, p.num_parts);
-  launch_kernel(g_attention_programmatic, paged_attention_kernel<T, kInt8, D>, grid, kThreads, 0,
-                stream, "paged_attention_kernel", p);
+  auto kernel = paged_attention_kernel<T, kInt8, D, false>;
+  if constexpr (!kInt8) {
+    if (load_ahead) kernel = paged_attention_kernel<T, kInt8, D, true>;
+  }
+  launch_kernel(g_attention_programmatic, kernel, grid, kThreads, 0, stream,
+                "paged_attention_kernel", p);
   if (p.num_parts > 1 && p.counters == nullptr) {
     attention_reduce_kernel<T, D><<<dim3(num_tiles, p.num_kv_heads), kThreads, 0, stream>>>(p);
     check_launch("attention_reduce_kernel");
@@ -454,11 +460,13 @@ void launch(const Params& p, int num_tiles, cudaStream_t stream) {
 }
 
 template <typename T>
-void dispatch_head_dim(const Params& p, bool int8, int head_dim, int num_tiles, cudaStream_t s) {
+void dispatch_head_dim(const Params& p, bool int8, bool ahead, int head_dim, int num_tiles,
+                       cudaStream_t s) {
   if (head_dim == 128) {
-    int8 ? launch<T, true, 128>(p, num_tiles, s) : launch<T, false, 128>(p, num_tiles, s);
+    int8 ? launch<T, true, 128>(p, ahead, num_tiles, s)
+         : launch<T, false, 128>(p, ahead, num_tiles, s);
   } else {
-    int8 ? launch<T, true, 64>(p, num_tiles, s) : launch<T, false, 64>(p, num_tiles, s);
+    int8 ? launch<T, true, 64>(p, ahead, num_tiles, s) : launch<T, false, 64>(p, ahead, num_tiles, s);
   }
 }
 
@@ -489,9 +497,9 @@ void paged_attention(const AttentionArgs& a) {
   p.part_rows = static_cast<std::int64_t>(a.num_tiles) * a.num_kv_heads * a.num_parts * kRows;
   cudaStream_t s = as_stream(a.stream);
   if (a.dtype == DType::kF16) {
-    dispatch_head_dim<__half>(p, int8, a.head_dim, a.num_tiles, s);
+    dispatch_head_dim<__half>(p, int8, a.load_ahead, a.head_dim, a.num_tiles, s);
   } else {
-    dispatch_head_dim<__nv_bfloat16>(p, int8, a.head_dim, a.num_tiles, s);
+    dispatch_head_dim<__nv_bfloat16>(p, int8, a.load_ahead, a.head_dim, a.num_tiles, s);
   }
 }
 

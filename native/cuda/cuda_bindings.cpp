@@ -148,7 +148,7 @@ void bind_cuda(py::module_& parent) {
          std::uintptr_t tiles, int num_tiles, int num_heads, int num_kv_heads, int head_dim,
          int block_size, float scale, int partition_size, int num_parts, std::uintptr_t part_o,
          std::uintptr_t part_ml, DType dtype, DType cache_dtype, std::uintptr_t stream,
-         std::uintptr_t counters, bool prefill, std::int64_t cache_blocks) {
+         std::uintptr_t counters, bool prefill, std::int64_t cache_blocks, bool load_ahead) {
         cuda::AttentionArgs a;
         a.out = out;
         a.q = q;
@@ -178,6 +178,7 @@ void bind_cuda(py::module_& parent) {
         a.stream = stream;
         a.counters = counters;
         a.cache_blocks = cache_blocks;
+        a.load_ahead = load_ahead;
         if (prefill) {
           cuda::prefill_attention(a);
         } else {
@@ -191,7 +192,8 @@ void bind_cuda(py::module_& parent) {
       py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("block_size"), py::arg("scale"),
       py::arg("partition_size"), py::arg("num_parts"), py::arg("part_o"), py::arg("part_ml"),
       py::arg("dtype"), py::arg("cache_dtype"), py::arg("stream"), py::arg("counters") = 0,
-      py::arg("prefill") = false, py::arg("cache_blocks") = 0);
+      py::arg("prefill") = false, py::arg("cache_blocks") = 0,
+      py::arg("load_ahead") = false);
 }
 
 }  // namespace turbomq

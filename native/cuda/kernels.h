@@ -212,6 +212,7 @@ struct AttentionArgs {
   std::int64_t cache_blocks = 0;  // blocks in the pool (the prefill kernel's TMA maps; 0: unknown)
   DType dtype = DType::kBF16, cache_dtype = DType::kBF16;
   std::uintptr_t stream = 0;
+  bool load_ahead = false;  // paged_attention, 16-bit KV: each warp loads its next group early
 };
 void paged_attention(const AttentionArgs& args);
 

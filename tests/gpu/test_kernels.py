@@ -584,6 +584,24 @@ def test_fixed_partition_launches_over_tiles_in_turn(q_lens, kv_kind, gen, monke
     assert rel_err(outs[1], ref.paged_attention(q, kv, batch, d ** -0.5)) < TOL[dtype]
 
 
+@pytest.mark.parametrize("q_lens", [[1] * 7, [1, 9, 40, 1, 3]])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("partition_size", [None, 128])
+def test_load_ahead_gives_the_same_bits(q_lens, dtype, d, partition_size, gen):
+    """Loading each warp's next group early (16-bit KV) changes when the
+    loads happen, not the arithmetic: the same bits as loading in turn,
+    split or not, decode and prefill rows."""
+    ctx = [q + c for q, c in zip(q_lens, [700, 1, 300, 64, 1000, 130, 5])]
+    q, kv, batch = make_attention_case(q_lens, ctx, 2, 4, d, 16, dtype, dtype, gen)
+    outs = [cuda_ops.paged_attention(q, kv, batch, d ** -0.5, partition_size=partition_size,
+                                     always_combine=partition_size is not None,
+                                     load_ahead=ahead)
+            for ahead in (False, True)]
+    assert torch.equal(outs[0], outs[1])
+    assert rel_err(outs[1], ref.paged_attention(q, kv, batch, d ** -0.5)) < TOL[dtype]
+
+
 def test_attention_after_write_kv(gen):
     """write_kv then attention through the same pool, int8, as a model step does."""
     dtype, nkv, group, d, bs = torch.bfloat16, 4, 4, 128, 16

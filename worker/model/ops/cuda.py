@@ -679,14 +679,18 @@ def paged_attention(q: torch.Tensor, kv: LayerKV, batch: AttentionBatch, scale: 
                     out: Optional[torch.Tensor] = None,
                     partition_size: Optional[int] = None,
                     fused_combine: Optional[bool] = None,
-                    always_combine: bool = False) -> torch.Tensor:
+                    always_combine: bool = False,
+                    load_ahead: bool = False) -> torch.Tensor:
     """As reference.paged_attention. `partition_size` forces the split-K
     partition (a multiple of 64 keys); by default it is planned from the grid.
     `fused_combine` (default FUSED_SPLITK_COMBINE) combines the partitions in
     the attention kernel itself rather than in a second launch.
     `always_combine` takes the split-K path even when one partition would
     hold every key (a partition's output is normalized again when combined,
-    so a row must take the same path whatever the batch's longest context)."""
+    so a row must take the same path whatever the batch's longest context).
+    `load_ahead` (16-bit KV; INT8 always does): each warp loads its next
+    16-token group while it computes the current one (the same bits; more
+    registers, so fewer blocks an SM)."""
     if not _attention_native(q, kv) or q.shape[0] == 0:
         return reference.paged_attention(q, kv, batch, scale)
     t, nh, d = q.shape
@@ -727,13 +731,13 @@ def paged_attention(q: torch.Tensor, kv: LayerKV, batch: AttentionBatch, scale: 
                                    _k.ATTENTION_TILE_ROWS, d, fused_combine)
     if num_tiles <= step:
         return _launch_attention(out, q, kv, batch, scale, tiles, num_tiles, part_size, parts,
-                                 partials, counters)
+                                 partials, counters, load_ahead=load_ahead)
     if out is None:
         out = torch.empty((t, nh, d), dtype=q.dtype, device=q.device)
     for first in range(0, num_tiles, step):
         n = min(step, num_tiles - first)
         _launch_attention(out, q, kv, batch, scale, tiles[first:first + n], n, part_size, parts,
-                          partials, counters)
+                          partials, counters, load_ahead=load_ahead)
     return out
 
 
@@ -752,7 +756,7 @@ def _partials(device: torch.device, blocks: int, parts: int, rows: int, d: int,
 
 
 def _launch_attention(out, q, kv, batch, scale, tiles, num_tiles, part_size, parts, partials,
-                      counters, prefill: bool = False) -> torch.Tensor:
+                      counters, prefill: bool = False, load_ahead: bool = False) -> torch.Tensor:
     t, nh, d = q.shape
     if out is None:
         out = torch.empty((t, nh, d), dtype=q.dtype, device=q.device)
@@ -770,7 +774,7 @@ def _launch_attention(out, q, kv, batch, scale, tiles, num_tiles, part_size, par
             kv.block_size, float(scale), part_size, parts,
             *((0, 0) if partials is None else (t.data_ptr() for t in partials)),
             _DTYPES[q.dtype], _DTYPES[kv.k.dtype], _stream(q),
-            0 if counters is None else counters.data_ptr(), prefill, kv.k.shape[0])
+            0 if counters is None else counters.data_ptr(), prefill, kv.k.shape[0], load_ahead)
     return out
 
 

@@ -49,6 +49,10 @@ from .layer_kv import LayerKV
 # overrides (a multiple of 64; tokens then differ from those of another
 # size, so every worker must use the same).
 PARTITION_KEYS = int(os.environ.get("TURBOMQ_DETERMINISTIC_PARTITION", "128"))
+# Each warp of the attention kernel loads its next 16-token group while it
+# computes the current one: a 128-key partition's two groups a warp are in
+# flight together, where a decode step at batch 1 waits on them in turn.
+LOAD_AHEAD = True
 
 
 @dataclass(frozen=True)
@@ -116,5 +120,5 @@ class InvariantOps:
                         scale: float) -> torch.Tensor:
         if self.native:
             return self.base.paged_attention(q, kv, batch, scale, partition_size=PARTITION_KEYS,
-                                             always_combine=True)
+                                             always_combine=True, load_ahead=LOAD_AHEAD)
         return self.base.paged_attention(q, kv, batch, scale)

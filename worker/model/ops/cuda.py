@@ -689,8 +689,9 @@ def paged_attention(q: torch.Tensor, kv: LayerKV, batch: AttentionBatch, scale: 
     hold every key (a partition's output is normalized again when combined,
     so a row must take the same path whatever the batch's longest context).
     `load_ahead` (16-bit KV; INT8 always does): each warp loads its next
-    16-token group while it computes the current one (the same bits; more
-    registers, so fewer blocks an SM)."""
+    16-token group while it computes the current one, where the launch's
+    blocks fit the GPU at two an SM (the same bits; its registers allow two
+    blocks an SM, not three, which a full batch's launch would lose)."""
     if not _attention_native(q, kv) or q.shape[0] == 0:
         return reference.paged_attention(q, kv, batch, scale)
     t, nh, d = q.shape
@@ -729,6 +730,7 @@ def paged_attention(q: torch.Tensor, kv: LayerKV, batch: AttentionBatch, scale: 
             tiles, num_tiles = _tiles(batch, nh // nkv, q.device, None, which, listed=True)
     partials, counters = _partials(q.device, min(step, num_tiles) * nkv, parts,
                                    _k.ATTENTION_TILE_ROWS, d, fused_combine)
+    load_ahead = load_ahead and min(step, num_tiles) * nkv * parts <= 2 * _sm_count(q.device)
     if num_tiles <= step:
         return _launch_attention(out, q, kv, batch, scale, tiles, num_tiles, part_size, parts,
                                  partials, counters, load_ahead=load_ahead)

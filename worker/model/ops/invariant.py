@@ -50,8 +50,9 @@ from .layer_kv import LayerKV
 # size, so every worker must use the same).
 PARTITION_KEYS = int(os.environ.get("TURBOMQ_DETERMINISTIC_PARTITION", "128"))
 # Each warp of the attention kernel loads its next 16-token group while it
-# computes the current one: a 128-key partition's two groups a warp are in
-# flight together, where a decode step at batch 1 waits on them in turn.
+# computes the current one (where the launch is small: cuda.py), so that a
+# 128-key partition's two groups a warp are in flight together, where a
+# decode step at batch 1 would wait on them in turn. The same bits.
 LOAD_AHEAD = True
 
 

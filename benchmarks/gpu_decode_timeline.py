@@ -27,13 +27,10 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from turbomq.worker.model.cuda_graphs import DecodeGraphs
-from turbomq.worker.model.kv_cache import PagedKVCache
 from turbomq.worker.model.llama import LlamaModel
 
 _spec = importlib.util.spec_from_file_location("gpu_engine", Path(__file__).with_name("gpu_engine.py"))
@@ -59,20 +56,8 @@ def step_kernels(mode: str, replays: int) -> tuple[list[tuple[str, float, float]
     quant = None if mode in ("bf16", "deterministic") else mode
     model = LlamaModel(CFG, gpu_engine.random_tensors(CFG), "cuda", torch.bfloat16,
                        quantization=quant, deterministic=mode == "deterministic")
-    kv = PagedKVCache(CFG.num_layers, 64, 64, CFG.num_kv_heads, CFG.head_dim, torch.bfloat16, "cuda")
-    graphs = DecodeGraphs(model, kv, 8, 4096, scratch_block=63)
-    graphs.run([1000], [256], np.arange(8, dtype=np.int32).reshape(1, 8))
-    graph = graphs._graphs[(1, 512)][0]
-    for _ in range(20):
-        graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    step_ms = start.elapsed_time(end) / replays
+    graphs, graph, kv = gpu_engine.batch1_decode_graph(model, 256)
+    step_ms = gpu_engine.mean_replay_ms(graph, replays)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         graph.replay()
         torch.cuda.synchronize()

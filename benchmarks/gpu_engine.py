@@ -29,6 +29,8 @@ import torch
 
 from turbomq.worker import Engine, EngineConfig, SamplingParams
 from turbomq.worker.model.config import ModelConfig, RopeScaling
+from turbomq.worker.model.cuda_graphs import DecodeGraphs
+from turbomq.worker.model.kv_cache import PagedKVCache
 from turbomq.worker.model.llama import LlamaModel
 
 LLAMA3_8B = ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
@@ -56,6 +58,31 @@ def median_ms(fn, reps: int = 20) -> float:
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
     return float(np.median(times))
+
+
+def batch1_decode_graph(model: LlamaModel, context: int = 256):
+    """`model`'s batch-1 decode graph at `context` tokens on a fresh pool:
+    (graphs, graph, kv); keep all three alive while the graph replays."""
+    cfg = model.config
+    kv = PagedKVCache(cfg.num_layers, 64, 64, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16,
+                      "cuda")
+    graphs = DecodeGraphs(model, kv, 8, 4096, scratch_block=63)
+    graphs.run([1000], [context], np.arange(8, dtype=np.int32).reshape(1, 8))
+    return graphs, next(iter(graphs._graphs.values()))[0], kv
+
+
+def mean_replay_ms(graph: torch.cuda.CUDAGraph, replays: int, warmup: int = 20) -> float:
+    """Mean time of `replays` replays of `graph` after `warmup` (CUDA events)."""
+    for _ in range(warmup):
+        graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / replays
 
 
 def ceilings() -> dict:

@@ -23,8 +23,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from turbomq.worker.model.cuda_graphs import DecodeGraphs
-from turbomq.worker.model.kv_cache import PagedKVCache
 from turbomq.worker.model.llama import LlamaModel
 from turbomq.worker.model.ops import invariant
 
@@ -36,24 +34,12 @@ CONTEXTS = (256, 384)
 
 
 def step_ms(model: LlamaModel, context: int, replays: int = 300) -> float:
-    kv = PagedKVCache(CFG.num_layers, 64, 64, CFG.num_kv_heads, CFG.head_dim, torch.bfloat16,
-                      "cuda")
-    graphs = DecodeGraphs(model, kv, 8, 4096, scratch_block=63)
-    graphs.run([1000], [context], np.arange(8, dtype=np.int32).reshape(1, 8))
-    graph = next(iter(graphs._graphs.values()))[0]
-    for _ in range(30):
-        graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
+    graphs, graph, kv = gpu_engine.batch1_decode_graph(model, context)
+    ms = gpu_engine.mean_replay_ms(graph, replays, warmup=30)
     del graphs, graph, kv
     gc.collect()
     torch.cuda.empty_cache()
-    return start.elapsed_time(end) / replays
+    return ms
 
 
 def main() -> None:

@@ -16,19 +16,19 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from turbomq.worker.model.llama import LlamaModel
-from turbomq.worker.model.ops import invariant
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu_engine  # noqa: E402
 
-_spec = importlib.util.spec_from_file_location("gpu_engine", Path(__file__).with_name("gpu_engine.py"))
-gpu_engine = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(gpu_engine)
+from turbomq.worker.model.llama import LlamaModel  # noqa: E402
+from turbomq.worker.model.ops import invariant  # noqa: E402
+
 CFG = gpu_engine.LLAMA3_8B
 CONTEXTS = (256, 384)
 

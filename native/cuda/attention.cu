@@ -466,7 +466,8 @@ void dispatch_head_dim(const Params& p, bool int8, bool ahead, int head_dim, int
     int8 ? launch<T, true, 128>(p, ahead, num_tiles, s)
          : launch<T, false, 128>(p, ahead, num_tiles, s);
   } else {
-    int8 ? launch<T, true, 64>(p, ahead, num_tiles, s) : launch<T, false, 64>(p, ahead, num_tiles, s);
+    int8 ? launch<T, true, 64>(p, ahead, num_tiles, s)
+         : launch<T, false, 64>(p, ahead, num_tiles, s);
   }
 }
 

@@ -199,14 +199,18 @@ def run_offline(engine: Engine, work: list[tuple[list[int], int]]) -> dict:
         if event.finished:
             done["n"] += 1
 
+    waited = engine.counters["token_wait_seconds"]
     t0 = sync_time()
     submit_all(engine, work, on_event)
     while engine.has_work():
         engine.step()
     elapsed = sync_time() - t0
     assert done["n"] == len(work)
+    # the share of the run the host spent waiting for the device (near 0: host-bound)
+    waited = engine.counters["token_wait_seconds"] - waited
     return {"seconds": elapsed, "output_tokens": done["tokens"],
-            "output_tok_per_s": done["tokens"] / elapsed, "req_per_s": len(work) / elapsed}
+            "output_tok_per_s": done["tokens"] / elapsed, "req_per_s": len(work) / elapsed,
+            "host_waiting": waited / elapsed}
 
 
 def decode_batch1(engine: Engine, cfg: ModelConfig, bandwidth: dict) -> dict:

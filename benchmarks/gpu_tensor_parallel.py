@@ -155,8 +155,8 @@ def write_report(out: Path, r: dict) -> None:
             f"up to the batch column at once. CUDA graphs throughout. All rows from one run.",
             "",
             "| engine | decode tok/s (batch 1) | vs 1 GPU | TTFT ms, median / min | offline output tok/s "
-            "| vs 1 GPU | batch | KV pool tokens | load s |",
-            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+            "| vs 1 GPU | host waiting | batch | KV pool tokens | load s |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     base = next(iter(r["cases"].values()))
     for name, c in r["cases"].items():
         rows.append(f"| {name} | {c['decode_tok_per_s']:.1f} | "
@@ -164,11 +164,14 @@ def write_report(out: Path, r: dict) -> None:
                     f"{c['ttft_ms']:.1f} / {c.get('ttft_min_ms', 0):.1f} | "
                     f"{c.get('output_tok_per_s', 0):,.0f} | "
                     f"{c.get('output_tok_per_s', 0) / base.get('output_tok_per_s', 1):.2f}x | "
-                    f"{c['max_batch_size']} | {c['kv_tokens_capacity']:,} | {c['load_s']:.0f} |")
+                    f"{c.get('host_waiting', 0):.0%} | {c['max_batch_size']} | "
+                    f"{c['kv_tokens_capacity']:,} | {c['load_s']:.0f} |")
     rows += ["", "Two GPUs hold the weights once between them, so each has about half "
              "the weight memory free for KV (the pool column counts tokens; every rank "
              "holds its own KV heads of each). TTFT: the median and the fastest "
-             "of eleven lone 128-token prompts. docs/engine.md, Tensor parallel."]
+             "of eleven lone 128-token prompts. Host waiting: the share of the offline run "
+             "rank 0's step thread spent blocked on the device for tokens (near 0%: the "
+             "host sets the pace). docs/engine.md, Tensor parallel."]
     (out / "tensor_parallel.md").write_text("\n".join(rows) + "\n")
     (out / "tensor_parallel.json").write_text(json.dumps(r, indent=2) + "\n")
 

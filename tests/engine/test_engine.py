@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 
 import pytest
 import torch
@@ -251,7 +252,6 @@ def test_async_stream_and_cancel():
         for _ in range(200):
             if eng.stats()["slots_active"] == 0:
                 break
-            import time
             time.sleep(0.01)
         assert eng.stats()["slots_active"] == 0
     finally:
@@ -352,6 +352,7 @@ def test_steps_launched_ahead_equal_steps_read_first():
               for i in range(len(batch))]
     runs = {}
     for overlap in (False, True):
+        started = time.perf_counter()
         eng = Engine(EngineConfig(model=demo_model_dir(), max_batch_size=4, block_size=16,
                                   max_num_batched_tokens=64, overlap_steps=overlap))
         done: dict = {}
@@ -367,6 +368,7 @@ def test_steps_launched_ahead_equal_steps_read_first():
                  for t in range(3)]
         eng.kv_manager.check()
         assert (eng.counters["overlapped_steps"] > 0) == overlap
+        assert 0 < eng.counters["token_wait_seconds"] < time.perf_counter() - started
         runs[overlap] = (outs, reasons, turns)
     assert runs[True] == runs[False]
     assert "stop" in runs[True][1] and "length" in runs[True][1]

@@ -181,7 +181,10 @@ class Engine:
         self.step_observer: Optional[Callable[[Optional[StepPlan], float], None]] = None
         self.counters = {"requests_finished": 0, "prompt_tokens": 0, "generated_tokens": 0,
                          "reused_tokens": 0, "reprefilled_tokens": 0, "steps": 0,
-                         "overlapped_steps": 0, "requests_replayed": 0, "host_tier_bytes": 0}
+                         "overlapped_steps": 0, "requests_replayed": 0, "host_tier_bytes": 0,
+                         # time the step thread spent blocked on the device
+                         # for launched steps' tokens: near 0, the host sets the pace
+                         "token_wait_seconds": 0.0}
 
     def _host_tier(self) -> Optional[HostTier]:
         """The host-RAM tier, where configured (single-device engines)."""
@@ -627,11 +630,14 @@ class Engine:
     def _deliver(self, launched: _Launched) -> None:
         """Read a launched step's tokens and stream them out; a sequence
         finished meanwhile (stopped, cancelled) drops its token."""
+        start = time.perf_counter()
         try:
             tokens = launched.tokens.read()
         except Exception as exc:
             self._fail_plan(launched.plan, exc)
             return
+        finally:
+            self.counters["token_wait_seconds"] += time.perf_counter() - start
         for seq, token in zip(launched.seqs, tokens):
             if seq.status is SeqStatus.FINISHED:
                 continue

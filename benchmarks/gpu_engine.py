@@ -191,7 +191,53 @@ def submit_all(engine: Engine, work: list[tuple[list[int], int]], callback=lambd
                       callback=callback)
 
 
-def run_offline(engine: Engine, work: list[tuple[list[int], int]]) -> dict:
+class StepSpans:
+    """Each step's span on the compute stream of rank 0: events recorded
+    before and after `runner.launch` queues it. A step's span is its GPU
+    time, or the host's launch time where the host queues its kernels slower
+    than they run (an eager step); the gap before it, the time the GPU sat
+    idle waiting for the host to queue it; host, the host's time in the
+    launch call. `close()`: per kind of step (decode graph; with prefill,
+    eager), the steps, tokens and seconds."""
+
+    def __init__(self, engine: Engine):
+        self.runner, self.launch = engine.runner, engine.runner.launch
+        self.steps = []  # (kind, tokens, start event, end event)
+        engine.runner.launch = self._launch
+
+    def _launch(self, step, *args, **kwargs):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        t0 = time.perf_counter()
+        out = self.launch(step, *args, **kwargs)
+        host = time.perf_counter() - t0
+        end.record()
+        kind = "decode graph" if step.graphed else "with prefill, eager"
+        self.steps.append((kind, len(step.ids), host, start, end))
+        return out
+
+    def close(self) -> dict:
+        self.runner.launch = self.launch
+        torch.cuda.synchronize()
+        kinds: dict = {}
+        prev_end = None
+        for kind, tokens, host, start, end in self.steps:
+            k = kinds.setdefault(kind, {"steps": 0, "tokens": 0, "host_s": 0.0, "span_s": 0.0,
+                                        "gap_s": 0.0})
+            k["steps"] += 1
+            k["tokens"] += tokens
+            k["host_s"] += host
+            k["span_s"] += start.elapsed_time(end) / 1e3
+            if prev_end is not None:
+                k["gap_s"] += max(0.0, prev_end.elapsed_time(start) / 1e3)
+            prev_end = end
+        return kinds
+
+
+def run_offline(engine: Engine, work: list[tuple[list[int], int]], spans: bool = False) -> dict:
+    """Every request of `work` at once, stepped to the end: output tok/s,
+    the share of the run the host waited for tokens, and with `spans` each
+    kind of step's GPU spans (StepSpans)."""
     done = {"n": 0, "tokens": 0}
 
     def on_event(event) -> None:
@@ -200,6 +246,7 @@ def run_offline(engine: Engine, work: list[tuple[list[int], int]]) -> dict:
             done["n"] += 1
 
     waited = engine.counters["token_wait_seconds"]
+    recorder = StepSpans(engine) if spans else None
     t0 = sync_time()
     submit_all(engine, work, on_event)
     while engine.has_work():
@@ -208,9 +255,12 @@ def run_offline(engine: Engine, work: list[tuple[list[int], int]]) -> dict:
     assert done["n"] == len(work)
     # the share of the run the host spent waiting for the device (near 0: host-bound)
     waited = engine.counters["token_wait_seconds"] - waited
-    return {"seconds": elapsed, "output_tokens": done["tokens"],
-            "output_tok_per_s": done["tokens"] / elapsed, "req_per_s": len(work) / elapsed,
-            "host_waiting": waited / elapsed}
+    out = {"seconds": elapsed, "output_tokens": done["tokens"],
+           "output_tok_per_s": done["tokens"] / elapsed, "req_per_s": len(work) / elapsed,
+           "host_waiting": waited / elapsed}
+    if recorder is not None:
+        out["step_spans"] = recorder.close()
+    return out
 
 
 def decode_batch1(engine: Engine, cfg: ModelConfig, bandwidth: dict) -> dict:

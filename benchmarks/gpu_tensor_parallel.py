@@ -49,6 +49,10 @@ CASES = [("1 GPU", dict(tensor_parallel=1), "peer", 1),
          ("2 GPUs, peer all-reduce, 4x batch", dict(tensor_parallel=2), "peer", 4),
          ("2 GPUs, peer all-reduce, 8x batch", dict(tensor_parallel=2), "peer", 8),
          ("2 GPUs, peer all-reduce, 16x batch", dict(tensor_parallel=2), "peer", 16)]
+# Tokens a step (max_num_batched_tokens). 2048 rather than 8192: one GPU's offline
+# figure is the same at both, two GPUs' 4-8% higher on one machine
+# (docs/benchmarks/tensor_parallel.md, "The step's token budget").
+STEP_TOKENS = 2048
 
 
 def all_reduce_mode(mode: str, peer_bytes: Optional[int] = None) -> None:
@@ -109,11 +113,12 @@ def profile_decode(engine: Engine, dest: Path, new_tokens: int = 64) -> None:
     dest.write_text("\n\n".join(sections) + "\n")
 
 
-def make_engine(path: str, case: dict, max_batch_size: int) -> Engine:
+def make_engine(path: str, case: dict, max_batch_size: int,
+                step_tokens: int = STEP_TOKENS) -> Engine:
     """The engine every case runs, warmed up (the graphs the runs use captured)."""
     engine = Engine(EngineConfig(model=path, device="cuda", dtype="bf16",
                                  max_batch_size=max_batch_size, block_size=64,
-                                 kv_cache_fraction=0.85, max_num_batched_tokens=8192,
+                                 kv_cache_fraction=0.85, max_num_batched_tokens=step_tokens,
                                  max_model_len=16384, cuda_graphs=True, **case))
     for copies in (4, 1):
         engine.generate(input_ids=[list(range(1000, 1128))] * copies,
@@ -128,9 +133,10 @@ def write_checkpoint(path: str) -> None:
 
 
 def measure(path: str, case: dict, work: list, max_batch_size: int,
-            profile_to: Optional[Path] = None) -> dict:
+            profile_to: Optional[Path] = None, step_tokens: int = STEP_TOKENS,
+            spans: bool = False) -> dict:
     t0 = time.perf_counter()
-    engine = make_engine(path, case, max_batch_size)
+    engine = make_engine(path, case, max_batch_size, step_tokens)
     try:
         load_s = time.perf_counter() - t0  # with the warm-up
         out = {"load_s": load_s, "kv_tokens_capacity": engine.max_tokens_in_pool}
@@ -138,7 +144,7 @@ def measure(path: str, case: dict, work: list, max_batch_size: int,
         if profile_to is not None:
             profile_decode(engine, profile_to)
         if work:
-            out.update(run_offline(engine, work))
+            out.update(run_offline(engine, work, spans))
         return out
     finally:
         engine.close()
@@ -152,7 +158,8 @@ def write_report(out: Path, r: dict) -> None:
             f"{r['device']} x {r['gpus']}; `benchmarks/gpu_tensor_parallel.py` "
             f"(`BENCH=tensor_parallel bash benchmarks/run_gpu.sh`). Decode: batch 1, prompt 128, "
             f"256 new tokens. Offline: {r['requests']} ShareGPT-like requests (ignore EOS), "
-            f"up to the batch column at once. CUDA graphs throughout. All rows from one run.",
+            f"up to the batch column at once, up to {r['step_tokens']} tokens a step. "
+            f"CUDA graphs throughout. All rows from one run.",
             "",
             "| engine | decode tok/s (batch 1) | vs 1 GPU | TTFT ms, median / min | offline output tok/s "
             "| vs 1 GPU | host waiting | batch | KV pool tokens | load s |",
@@ -172,6 +179,20 @@ def write_report(out: Path, r: dict) -> None:
              "of eleven lone 128-token prompts. Host waiting: the share of the offline run "
              "rank 0's step thread spent blocked on the device for tokens (near 0%: the "
              "host sets the pace). docs/engine.md, Tensor parallel."]
+    spans = [(name, c["step_spans"]) for name, c in r["cases"].items() if "step_spans" in c]
+    if spans:
+        rows += ["", "Where each offline run's time goes, by kind of step, on rank 0's compute "
+                 "stream: span, from the event before a step's launch to the one after it (its "
+                 "GPU time, or the host's launch time where the host queues kernels slower than "
+                 "they run); idle, the GPU's wait for the host before the step; launch, the host's "
+                 "time in the launch call.", "",
+                 "| engine | steps | tokens / step | span s | span ms / step | idle s | launch s |",
+                 "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        for name, kinds in spans:
+            for kind, k in kinds.items():
+                rows.append(f"| {name}, {kind} | {k['steps']:,} | {k['tokens'] / k['steps']:,.0f} | "
+                            f"{k['span_s']:.2f} | {1e3 * k['span_s'] / k['steps']:.2f} | "
+                            f"{k['gap_s']:.2f} | {k['host_s']:.2f} |")
     (out / "tensor_parallel.md").write_text("\n".join(rows) + "\n")
     (out / "tensor_parallel.json").write_text(json.dumps(r, indent=2) + "\n")
 
@@ -191,13 +212,17 @@ def main() -> None:
                     help="keep the converted checkpoint here (reused where it exists)")
     ap.add_argument("--peer-all-reduce-bytes", type=int,
                     help="the largest message the peer all-reduce takes (default: the engine's)")
+    ap.add_argument("--step-tokens", type=int, default=STEP_TOKENS,
+                    help="the engines' token budget of a step (max_num_batched_tokens)")
+    ap.add_argument("--spans", action="store_true",
+                    help="time each offline step's span on rank 0's stream, by kind of step")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if torch.cuda.device_count() < 2:
         raise SystemExit("tensor parallel benchmark: needs 2 CUDA devices")
     work = sharegpt_like(args.requests)
     results = {"device": torch.cuda.get_device_name(), "gpus": 2, "requests": args.requests,
-               "cases": {}}
+               "step_tokens": args.step_tokens, "cases": {}}
     with tempfile.TemporaryDirectory(prefix="turbomq-tp-") as tmp:
         path = str(args.checkpoint or tmp)
         if not (args.checkpoint and args.checkpoint.exists()):
@@ -210,7 +235,8 @@ def main() -> None:
             slug = "".join(c if c.isalnum() else "_" for c in name.lower())
             profile_to = args.out / f"tp_profile_{slug}.txt" if args.profile else None
             results["cases"][name] = {"max_batch_size": batch,
-                                      **measure(path, case, work, batch, profile_to)}
+                                      **measure(path, case, work, batch, profile_to,
+                                                args.step_tokens, args.spans)}
             print(name, json.dumps(results["cases"][name]), flush=True)
             write_report(args.out, results)  # what is done so far, should a later case fail
     print((args.out / "tensor_parallel.md").read_text())

@@ -197,12 +197,12 @@ class StepSpans:
     time, or the host's launch time where the host queues its kernels slower
     than they run (an eager step); the gap before it, the time the GPU sat
     idle waiting for the host to queue it; host, the host's time in the
-    launch call. `close()`: per kind of step (decode graph; with prefill,
+    launch call (its work, and any wait in it for the device). `close()`: per kind of step (decode graph; with prefill,
     eager), the steps, tokens and seconds."""
 
     def __init__(self, engine: Engine):
         self.runner, self.launch = engine.runner, engine.runner.launch
-        self.steps = []  # (kind, tokens, start event, end event)
+        self.steps = []  # (kind, tokens, host seconds, start event, end event)
         engine.runner.launch = self._launch
 
     def _launch(self, step, *args, **kwargs):

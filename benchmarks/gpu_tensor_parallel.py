@@ -9,7 +9,8 @@ memory, without and with (the default) its low-latency kernel for
 decode's, and again with 2, 4, 8 and 16 times the batch (the pool holds
 twice the tokens). --only picks the engines of a run. Each: decode at
 batch 1 (prompt 128, 256 new tokens), an offline batch of ShareGPT-like
-requests, and its KV pool size. --profile adds
+requests (up to --step-tokens a step, 2048), and its KV pool size. --spans
+times each offline step on rank 0's stream, by kind of step; --profile adds
 torch.profiler tables of each engine's prefill and batch-1 decode on rank 0.
 
     BENCH=tensor_parallel bash benchmarks/run_gpu.sh   (on a machine with 2 GPUs)
@@ -185,7 +186,7 @@ def write_report(out: Path, r: dict) -> None:
                  "stream: span, from the event before a step's launch to the one after it (its "
                  "GPU time, or the host's launch time where the host queues kernels slower than "
                  "they run); idle, the GPU's wait for the host before the step; launch, the host's "
-                 "time in the launch call.", "",
+                 "time in the launch call (its work, and any wait in it for the device).", "",
                  "| engine | steps | tokens / step | span s | span ms / step | idle s | launch s |",
                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
         for name, kinds in spans:

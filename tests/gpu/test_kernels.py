@@ -672,3 +672,32 @@ def test_argmax_rows_first_maximum(vocab, gen):
     x[2, :] = 0.0  # all tied
     x[3, vocab // 2] = x[3, vocab // 2 + 1] = 60.0  # a tie inside one chunk
     assert torch.equal(argmax_rows(x), torch.argmax(x, dim=-1))
+
+
+def test_sampling_queues_without_waiting_for_the_stream(gen):
+    """Sampling rows with temperature, top-k/p, min-p and a repetition
+    penalty never synchronizes the stream (the engine queues the next step
+    while this one runs); the greedy row is the argmax, the same seeds draw
+    the same tokens again."""
+    from turbomq.worker.engine.sampling_params import SamplingParams, SeedRNG
+    from turbomq.worker.model.sampler import sample
+
+    x = randn((4, 32000), torch.float32, gen) * 4
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_k=50),
+              SamplingParams(temperature=1.0, top_p=0.9, min_p=0.05),
+              SamplingParams(temperature=0.7, repetition_penalty=1.3)]
+    histories = [[1, 2], [3], [4, 5, 6], [7, 8, 9, 31999]]
+
+    def draw(logits):
+        return sample(logits, params, [SeedRNG(11 + i) for i in range(4)], histories)
+
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = draw(x)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    tokens = got.tolist()
+    assert tokens[0] == int(torch.argmax(x[0]))
+    assert all(0 <= t < 32000 for t in tokens)
+    assert draw(x).tolist() == tokens

@@ -9,7 +9,10 @@ the lowest token id. Other rows draw one uniform from their request's own
 `SeedRNG` and pick a token by inverse CDF over a per-row order (penalized
 logits descending, ties by lowest id). Nothing a row computes depends on its
 batch neighbours or its row index, so a seeded request is reproducible however
-it is batched. docs/sampling.md has the details.
+it is batched. The per-row values go to the device through pinned memory,
+asynchronously (ops.attention_batch.to_device): a plain copy would first
+wait for the step in flight, and the next step could not be queued ahead.
+docs/sampling.md has the details.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ import math
 from typing import Optional, Protocol, Sequence
 
 import torch
+
+from .ops.attention_batch import to_device
 
 
 class SamplingParams(Protocol):
@@ -62,9 +67,9 @@ def apply_repetition_penalty(
     if not rows:
         return out
     dev = logits.device
-    ri = torch.tensor(rows, device=dev)
-    ci = torch.tensor(cols, device=dev)
-    pen = torch.tensor(pens, device=dev, dtype=logits.dtype)
+    ri = to_device(rows, torch.long, dev)
+    ci = to_device(cols, torch.long, dev)
+    pen = to_device(pens, logits.dtype, dev)
     vals = out[ri, ci]
     out[ri, ci] = torch.where(vals < 0, vals * pen, vals / pen)
     return out
@@ -94,7 +99,7 @@ def sample(
         return tokens
     sub_params = [params[i] for i in random_rows]
     u = [rngs[i].uniform() for i in random_rows]
-    idx = torch.tensor(random_rows, device=x.device)
+    idx = to_device(random_rows, torch.long, x.device)
     tokens[idx] = _sample_rows(x[idx].float(), sub_params, u)
     return tokens
 
@@ -142,7 +147,7 @@ def _check_batch(logits, params, rngs, token_histories) -> None:
 
 
 def _row_tensor(values: Sequence[float], like: torch.Tensor) -> torch.Tensor:
-    return torch.tensor(values, dtype=like.dtype, device=like.device).unsqueeze(1)
+    return to_device(values, like.dtype, like.device).unsqueeze(1)
 
 
 def _sample_rows(x: torch.Tensor, params: Sequence[SamplingParams], u: Sequence[float]) -> torch.Tensor:
@@ -171,7 +176,7 @@ def _filter_mask(probs: torch.Tensor, params: Sequence[SamplingParams], vocab: i
     descending. The kept set is always a non-empty prefix."""
     rank = torch.arange(vocab, device=probs.device).unsqueeze(0)
     ks = [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]
-    keep = rank < torch.tensor(ks, device=probs.device).unsqueeze(1)
+    keep = rank < to_device(ks, torch.long, probs.device).unsqueeze(1)
 
     # top-p on the top-k survivors, renormalized: keep a token while the mass
     # before it is still below top_p, so the kept mass is the smallest >= top_p.

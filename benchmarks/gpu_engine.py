@@ -236,8 +236,8 @@ class StepSpans:
 
 def run_offline(engine: Engine, work: list[tuple[list[int], int]], spans: bool = False) -> dict:
     """Every request of `work` at once, stepped to the end: output tok/s,
-    the share of the run the host waited for tokens, and with `spans` each
-    kind of step's GPU spans (StepSpans)."""
+    the share of the run the host waited for tokens, the decode graphs it
+    captured, and with `spans` each kind of step's GPU spans (StepSpans)."""
     done = {"n": 0, "tokens": 0}
 
     def on_event(event) -> None:
@@ -246,6 +246,8 @@ def run_offline(engine: Engine, work: list[tuple[list[int], int]], spans: bool =
             done["n"] += 1
 
     waited = engine.counters["token_wait_seconds"]
+    graphs = engine.runner.graphs
+    captured = graphs.captured if graphs is not None else 0
     recorder = StepSpans(engine) if spans else None
     t0 = sync_time()
     submit_all(engine, work, on_event)
@@ -257,7 +259,9 @@ def run_offline(engine: Engine, work: list[tuple[list[int], int]], spans: bool =
     waited = engine.counters["token_wait_seconds"] - waited
     out = {"seconds": elapsed, "output_tokens": done["tokens"],
            "output_tok_per_s": done["tokens"] / elapsed, "req_per_s": len(work) / elapsed,
-           "host_waiting": waited / elapsed}
+           "host_waiting": waited / elapsed,
+           # decode graphs captured during the run (each on its bucket's first step)
+           "graphs_captured": (graphs.captured if graphs is not None else 0) - captured}
     if recorder is not None:
         out["step_spans"] = recorder.close()
     return out

@@ -194,6 +194,10 @@ def write_report(out: Path, r: dict) -> None:
                 rows.append(f"| {name}, {kind} | {k['steps']:,} | {k['tokens'] / k['steps']:,.0f} | "
                             f"{k['span_s']:.2f} | {1e3 * k['span_s'] / k['steps']:.2f} | "
                             f"{k['gap_s']:.2f} | {k['host_s']:.2f} |")
+        rows += ["", "Decode graphs captured during the offline run (a bucket's graph on its "
+                 "first step, inside that step's launch): " + "; ".join(
+                     f"{name}: {r['cases'][name].get('graphs_captured', 0)}" for name, _ in spans)
+                 + "."]
     (out / "tensor_parallel.md").write_text("\n".join(rows) + "\n")
     (out / "tensor_parallel.json").write_text(json.dumps(r, indent=2) + "\n")
 

@@ -124,7 +124,7 @@ def test_prefill_graph_gives_the_eager_logits_and_kv(tmp_path, kv_dtype, quantiz
                     x, y = x * sx[blocks][..., None], y * sy[blocks][..., None]
                 torch.testing.assert_close(y, x, rtol=0, atol=2 * tol * x.abs().max().item())
     assert graphs.replays == 8
-    assert len(graphs._graphs) == 6  # (token, context) buckets: 16, 112, 64, 48, 224 (1024), 160
+    assert graphs.captured == 6  # (token, context) buckets: 16, 112, 64, 48, 224 (1024), 160
 
 
 def test_engine_prefill_graphs_answer_like_eager(tmp_path):

@@ -114,6 +114,11 @@ class _Graphs(abc.ABC):
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, object]] = {}
         self._pool = torch.cuda.graph_pool_handle()
 
+    @property
+    def captured(self) -> int:
+        """How many graphs are held (each bucket's is captured on first use)."""
+        return len(self._graphs)
+
     def release(self) -> None:
         """Drop every captured graph (captured again on next use) and the
         memory pool they shared."""

@@ -197,8 +197,9 @@ class StepSpans:
     time, or the host's launch time where the host queues its kernels slower
     than they run (an eager step); the gap before it, the time the GPU sat
     idle waiting for the host to queue it; host, the host's time in the
-    launch call (its work, and any wait in it for the device). `close()`: per kind of step (decode graph; with prefill,
-    eager), the steps, tokens and seconds."""
+    launch call (its work, and any wait in it for the device). `close()`:
+    per kind of step (decode graph; with prefill, eager), the steps, tokens
+    and seconds."""
 
     def __init__(self, engine: Engine):
         self.runner, self.launch = engine.runner, engine.runner.launch
@@ -247,7 +248,11 @@ def run_offline(engine: Engine, work: list[tuple[list[int], int]], spans: bool =
 
     waited = engine.counters["token_wait_seconds"]
     graphs = engine.runner.graphs
-    captured = graphs.captured if graphs is not None else 0
+
+    def captured() -> int:  # decode graphs held so far
+        return graphs.captured if graphs is not None else 0
+
+    captured_before = captured()
     recorder = StepSpans(engine) if spans else None
     t0 = sync_time()
     submit_all(engine, work, on_event)
@@ -261,7 +266,7 @@ def run_offline(engine: Engine, work: list[tuple[list[int], int]], spans: bool =
            "output_tok_per_s": done["tokens"] / elapsed, "req_per_s": len(work) / elapsed,
            "host_waiting": waited / elapsed,
            # decode graphs captured during the run (each on its bucket's first step)
-           "graphs_captured": (graphs.captured if graphs is not None else 0) - captured}
+           "graphs_captured": captured() - captured_before}
     if recorder is not None:
         out["step_spans"] = recorder.close()
     return out

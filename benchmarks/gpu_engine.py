@@ -249,8 +249,8 @@ def run_offline(engine: Engine, work: list[tuple[list[int], int]], spans: bool =
     waited = engine.counters["token_wait_seconds"]
     graphs = engine.runner.graphs
 
-    def captured() -> int:  # decode graphs held so far
-        return graphs.captured if graphs is not None else 0
+    def captured() -> tuple[int, float]:  # decode graphs held so far, the host's time capturing
+        return (graphs.captured, graphs.capture_seconds) if graphs is not None else (0, 0.0)
 
     captured_before = captured()
     recorder = StepSpans(engine) if spans else None
@@ -266,7 +266,8 @@ def run_offline(engine: Engine, work: list[tuple[list[int], int]], spans: bool =
            "output_tok_per_s": done["tokens"] / elapsed, "req_per_s": len(work) / elapsed,
            "host_waiting": waited / elapsed,
            # decode graphs captured during the run (each on its bucket's first step)
-           "graphs_captured": captured() - captured_before}
+           "graphs_captured": captured()[0] - captured_before[0],
+           "graph_capture_s": captured()[1] - captured_before[1]}
     if recorder is not None:
         out["step_spans"] = recorder.close()
     return out

@@ -115,12 +115,13 @@ def profile_decode(engine: Engine, dest: Path, new_tokens: int = 64) -> None:
 
 
 def make_engine(path: str, case: dict, max_batch_size: int,
-                step_tokens: int = STEP_TOKENS) -> Engine:
+                step_tokens: int = STEP_TOKENS, graphs_at_start: bool = True) -> Engine:
     """The engine every case runs, warmed up (the graphs the runs use captured)."""
     engine = Engine(EngineConfig(model=path, device="cuda", dtype="bf16",
                                  max_batch_size=max_batch_size, block_size=64,
                                  kv_cache_fraction=0.85, max_num_batched_tokens=step_tokens,
-                                 max_model_len=16384, cuda_graphs=True, **case))
+                                 max_model_len=16384, cuda_graphs=True,
+                                 graphs_at_start=graphs_at_start, **case))
     for copies in (4, 1):
         engine.generate(input_ids=[list(range(1000, 1128))] * copies,
                         params=SamplingParams(max_tokens=8, **GREEDY))
@@ -135,9 +136,9 @@ def write_checkpoint(path: str) -> None:
 
 def measure(path: str, case: dict, work: list, max_batch_size: int,
             profile_to: Optional[Path] = None, step_tokens: int = STEP_TOKENS,
-            spans: bool = False) -> dict:
+            spans: bool = False, graphs_at_start: bool = True) -> dict:
     t0 = time.perf_counter()
-    engine = make_engine(path, case, max_batch_size, step_tokens)
+    engine = make_engine(path, case, max_batch_size, step_tokens, graphs_at_start)
     try:
         load_s = time.perf_counter() - t0  # with the warm-up
         out = {"load_s": load_s, "kv_tokens_capacity": engine.max_tokens_in_pool}
@@ -195,8 +196,9 @@ def write_report(out: Path, r: dict) -> None:
                             f"{k['span_s']:.2f} | {1e3 * k['span_s'] / k['steps']:.2f} | "
                             f"{k['gap_s']:.2f} | {k['host_s']:.2f} |")
         rows += ["", "Decode graphs captured during the offline run (a bucket's graph on its "
-                 "first step, inside that step's launch): " + "; ".join(
-                     f"{name}: {r['cases'][name].get('graphs_captured', 0)}" for name, _ in spans)
+                 "first step, inside that step's launch), and the host's time in them: " + "; ".join(
+                     f"{name}: {r['cases'][name].get('graphs_captured', 0)}, "
+                     f"{r['cases'][name].get('graph_capture_s', 0):.2f} s" for name, _ in spans)
                  + "."]
     (out / "tensor_parallel.md").write_text("\n".join(rows) + "\n")
     (out / "tensor_parallel.json").write_text(json.dumps(r, indent=2) + "\n")
@@ -221,13 +223,16 @@ def main() -> None:
                     help="the engines' token budget of a step (max_num_batched_tokens)")
     ap.add_argument("--spans", action="store_true",
                     help="time each offline step's span on rank 0's stream, by kind of step")
+    ap.add_argument("--lazy-graphs", action="store_true",
+                    help="capture each graph on its first use, not when the engine starts")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if torch.cuda.device_count() < 2:
         raise SystemExit("tensor parallel benchmark: needs 2 CUDA devices")
     work = sharegpt_like(args.requests)
     results = {"device": torch.cuda.get_device_name(), "gpus": 2, "requests": args.requests,
-               "step_tokens": args.step_tokens, "cases": {}}
+               "step_tokens": args.step_tokens, "graphs_at_start": not args.lazy_graphs,
+               "cases": {}}
     with tempfile.TemporaryDirectory(prefix="turbomq-tp-") as tmp:
         path = str(args.checkpoint or tmp)
         if not (args.checkpoint and args.checkpoint.exists()):
@@ -241,7 +246,8 @@ def main() -> None:
             profile_to = args.out / f"tp_profile_{slug}.txt" if args.profile else None
             results["cases"][name] = {"max_batch_size": batch,
                                       **measure(path, case, work, batch, profile_to,
-                                                args.step_tokens, args.spans)}
+                                                args.step_tokens, args.spans,
+                                                not args.lazy_graphs)}
             print(name, json.dumps(results["cases"][name]), flush=True)
             write_report(args.out, results)  # what is done so far, should a later case fail
     print((args.out / "tensor_parallel.md").read_text())

@@ -152,6 +152,37 @@ def test_engine_prefill_graphs_answer_like_eager(tmp_path):
     assert sum(f >= 8 for f in first) >= len(first) - 1
 
 
+def test_graphs_captured_at_start_answer_like_graphs_captured_on_first_use(tmp_path):
+    """graphs_at_start: every bucket's decode and prefill graph is held once
+    the engine is up, no step captures another, and the tokens (a batch,
+    lone prompts, a session's turns) are those of graphs captured lazily."""
+    from turbomq.worker.model.cuda_graphs import batch_buckets, prefill_buckets
+
+    path = tiny_model(tmp_path, 64, 2)
+    params = SamplingParams(max_tokens=24, **GREEDY)
+    runs = {}
+    for at_start in (False, True):
+        with Engine(EngineConfig(model=path, device="cuda", dtype="bf16", max_batch_size=8,
+                                 block_size=64, max_model_len=1024, host_kv_blocks=0,
+                                 graphs_at_start=at_start)) as eng:
+            decode, prefill = eng.runner.graphs, eng.runner.prefill_graphs
+            held = (decode.captured, prefill.captured)
+            out = [r.token_ids for r in eng.generate(input_ids=prompts(12, 6), params=params)]
+            out += [eng.generate(input_ids=[p], params=params)[0].token_ids
+                    for p in prompts(4, 7)]
+            out += [eng.generate(input_ids=[[5 + turn, 6, 7, 8 + turn]], params=params,
+                                 session_id="s")[0].token_ids for turn in range(3)]
+            eng.kv_manager.check()
+            runs[at_start] = out
+            after = (decode.captured, prefill.captured)
+        if at_start:  # context buckets 512 and 1024
+            assert held == (2 * len(batch_buckets(8)), 2 * len(prefill_buckets(512)))
+            assert after == held
+        else:
+            assert held == (0, 0) and after[0] > 0 and after[1] > 0
+    assert runs[True] == runs[False]
+
+
 def test_bf16_engine_starts_like_fp32(tmp_path):
     """bf16 rounding makes long greedy runs drift from fp32 on a random model;
     the first tokens must still agree."""

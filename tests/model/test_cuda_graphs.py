@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from helpers import make_hf_model
-from turbomq.worker.model.cuda_graphs import (batch_buckets, context_bucket,
+from turbomq.worker.model.cuda_graphs import (batch_buckets, context_bucket, context_buckets,
                                               fill_prefill_inputs, prefill_buckets)
 from turbomq.worker.model.kv_cache import PagedKVCache
 from turbomq.worker.model.llama import LlamaModel
@@ -27,6 +27,12 @@ def test_buckets():
     assert batch_buckets(20) == [1, 2, 4, 8, 16, 20]
     assert [context_bucket(c, 4096) for c in (1, 512, 513, 3000, 5000)] == [512, 512, 1024,
                                                                            4096, 4096]
+    # what graphs at start capture: every bucket context_bucket can give
+    assert context_buckets(4096) == [512, 1024, 2048, 4096]
+    assert context_buckets(3000) == [512, 1024, 2048, 3000]
+    assert context_buckets(100) == [100]
+    for top in (100, 3000, 4096):
+        assert {context_bucket(c, top) for c in range(1, top + 1)} == set(context_buckets(top))
 
 
 def empty_inputs(tokens: int, width: int) -> dict[str, np.ndarray]:
@@ -88,3 +94,42 @@ def test_padded_prefill_gives_the_unpadded_logits_and_kv(tmp_path, history, new,
     for a, b in zip(pools[0].layers, pools[1].layers):
         for x, y in ((a.k, b.k), (a.v, b.v)):
             torch.testing.assert_close(x[:width], y[:width], rtol=1e-5, atol=1e-5)
+
+
+def test_idle_prefill_inputs_touch_only_the_scratch_block(tmp_path):
+    """A prefill graph captured at start warms up on inputs of no sequence:
+    every block they read or write is the scratch one, and the logits land
+    in the buffer the graphs share."""
+    _, path = make_hf_model("gqa_llama3_rope", tmp_path)
+    ckpt = load_checkpoint(path)
+    model = LlamaModel(ckpt.config, ckpt.tensors)
+    cfg = model.config
+    width, bucket = 20, 32
+    scratch = width
+    kv = PagedKVCache(cfg.num_layers, width + 1, BLOCK, model.num_kv_heads, cfg.head_dim,
+                      model.dtype)
+    before = [(layer.k.clone(), layer.v.clone()) for layer in kv.layers]
+    h = empty_inputs(64, width)
+    padded = fill_prefill_inputs(h, [0], 1, np.full(1, -1, dtype=np.int32), bucket, BLOCK,
+                                 scratch)
+    assert padded == bucket and (h["block_tables"] == scratch).all()
+    assert (h["slot_mapping"][:bucket] == scratch * BLOCK).all()
+    batch = AttentionBatch(q_lens=torch.tensor([bucket], dtype=torch.int32),
+                           cu_q_lens=torch.tensor([0, bucket], dtype=torch.int32),
+                           context_lens=torch.tensor([padded], dtype=torch.int32),
+                           block_tables=torch.from_numpy(h["block_tables"].copy()),
+                           slot_mapping=torch.from_numpy(h["slot_mapping"][:bucket].copy()),
+                           positions=torch.from_numpy(h["positions"][:bucket].copy()),
+                           q_lens_host=[bucket], context_lens_host=[padded], max_q_len=bucket,
+                           max_context_len=padded)
+    out = torch.full((1, cfg.vocab_size), float("nan"))
+    with torch.no_grad():
+        got = model.forward(torch.from_numpy(h["input_ids"][:bucket].copy()), batch, kv,
+                            torch.from_numpy(h["logits_row"].copy()), out)
+        want = model.forward(torch.from_numpy(h["input_ids"][:bucket].copy()), batch, kv,
+                             torch.from_numpy(h["logits_row"].copy()))
+    assert got.data_ptr() == out.data_ptr()
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for layer, (k, v) in zip(kv.layers, before):
+        assert torch.equal(layer.k[:width], k[:width]) and torch.equal(layer.v[:width], v[:width])
+        assert not torch.equal(layer.k[scratch], k[scratch])

@@ -40,6 +40,10 @@ class EngineConfig:
     # a bucket (docs/engine.md, "Prefill graphs"; 0: never). Not in
     # deterministic mode.
     prefill_graph_tokens: int = 512
+    # With graphs: capture every bucket's graph (decode and prefill) when the
+    # KV pool is allocated, so that no step waits for a capture (a device
+    # synchronize and two forwards each). False: each on its first use.
+    graphs_at_start: bool = True
     # With graphs: launch decode step t+1 before reading step t's tokens, so
     # the host's work between steps overlaps the GPU's.
     overlap_steps: bool = True

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -152,9 +153,20 @@ class ModelRunner:
                 self.prefill_graphs = PrefillGraphs(self.model, self.kv_cache,
                                                     cfg.prefill_graph_tokens,
                                                     self.max_model_len, scratch_block=num_blocks)
+            if cfg.graphs_at_start:
+                self.capture_graphs()
         log.info("KV pool: %d blocks of %d tokens = %d tokens (%s, %.2f GiB)", num_blocks,
                  cfg.block_size, num_blocks * cfg.block_size, self.kv_dtype,
                  self.kv_cache.nbytes / 2**30)
+
+    def capture_graphs(self) -> None:
+        """Every bucket's decode and prefill graph, captured now."""
+        t0 = time.perf_counter()
+        held = [g for g in (self.graphs, self.prefill_graphs) if g is not None]
+        for graphs in held:
+            graphs.capture_all()
+        log.info("CUDA graphs: %d captured in %.1f s", sum(g.captured for g in held),
+                 time.perf_counter() - t0)
 
     def host_kv_blocks_default(self) -> int:
         """A quarter of the available RAM, at most 4x the GPU pool, on CUDA;

@@ -4,17 +4,19 @@ A step launches a few hundred small kernels; replaying them as one captured
 graph removes the per-launch host cost that otherwise dominates at small
 batch sizes (decode) and for short prompts (a 128-token prefill of an 8B
 model is host-bound when launched op by op: every tensor-parallel rank pays
-that cost, so a prompt waits as long on two GPUs as on one). Graphs are
-captured lazily per bucket: the batch (decode) or the new tokens (prefill)
-are padded up to their bucket with rows that write a scratch KV block no
-sequence owns, and a context bucket fixes the split-K plan of the attention
-kernels (shorter contexts exit early inside them)."""
+that cost, so a prompt waits as long on two GPUs as on one). A graph is
+held per bucket, captured at start (`capture_all`) or on first use: the
+batch (decode) or the new tokens (prefill) are padded up to their bucket
+with rows that write a scratch KV block no sequence owns, and a context
+bucket fixes the split-K plan of the attention kernels (shorter contexts
+exit early inside them)."""
 
 from __future__ import annotations
 
 import abc
 import bisect
 import math
+import time
 from typing import Optional
 
 import numpy as np
@@ -65,6 +67,12 @@ def context_bucket(max_context: int, max_model_len: int) -> int:
     return min(bucket, max_model_len)
 
 
+def context_buckets(max_model_len: int) -> list[int]:
+    """Every context bucket up to `max_model_len`."""
+    return sorted({context_bucket(1 << k, max_model_len)
+                   for k in range(max(max_model_len, 1).bit_length() + 1)})
+
+
 class GraphInputs:
     """A graph's per-step inputs in one device byte buffer (every field
     16-byte aligned), filled from one of two pinned host buffers that take
@@ -102,10 +110,12 @@ class GraphInputs:
 
 
 class _Graphs(abc.ABC):
-    """Captured graphs by (rows, context) bucket, sharing one memory pool. A
-    subclass says what a bucket's graph reads (`_batch`) and runs (`_forward`)."""
+    """Captured graphs by (rows, context) bucket, sharing one memory pool and
+    one logits buffer. A subclass says which buckets there are (`_keys`), what
+    a bucket's graph reads (`_batch`) and runs (`_forward`)."""
 
-    def __init__(self, model: LlamaModel, kv_cache: PagedKVCache, max_model_len: int):
+    def __init__(self, model: LlamaModel, kv_cache: PagedKVCache, max_model_len: int,
+                 logit_rows: int):
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
@@ -113,6 +123,13 @@ class _Graphs(abc.ABC):
         self.width = -(-max_model_len // self.block_size)  # block-table columns
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, object]] = {}
         self._pool = torch.cuda.graph_pool_handle()
+        # Every graph writes its logits here: one replays at a time, and its
+        # logits are read (sampled) before the next, so buckets need not each
+        # hold their own (at 512 rows of a 128k vocabulary, 260 MB apiece).
+        self._logit_rows = logit_rows
+        self.logits: Optional[torch.Tensor] = None
+        # the host's time in captures (a step that captures waits for it)
+        self.capture_seconds = 0.0
 
     @property
     def captured(self) -> int:
@@ -120,17 +137,30 @@ class _Graphs(abc.ABC):
         return len(self._graphs)
 
     def release(self) -> None:
-        """Drop every captured graph (captured again on next use) and the
-        memory pool they shared."""
+        """Drop every captured graph (captured again on next use), the
+        memory pool they shared and their logits."""
         self._graphs.clear()
         self._pool = torch.cuda.graph_pool_handle()
+        self.logits = None
 
-    def _replay(self, rows: int, max_context: int) -> torch.Tensor:
-        key = (rows, context_bucket(max_context, self.max_model_len))
+    def capture_all(self) -> None:
+        """Capture every bucket's graph now (at start), so that no step waits
+        for a capture: each takes a device synchronize and two forwards."""
+        for key in self._keys():
+            if key not in self._graphs:
+                self._fill_idle_inputs(*key)  # the warm-up runs them
+                self._entry(key)
+
+    def _entry(self, key: tuple[int, int]):
         entry = self._graphs.get(key)
         if entry is None:
+            t0 = time.perf_counter()
             entry = self._graphs[key] = self._capture(*key)
-        graph, logits, _ = entry
+            self.capture_seconds += time.perf_counter() - t0
+        return entry
+
+    def _replay(self, rows: int, max_context: int) -> torch.Tensor:
+        graph, logits, _ = self._entry((rows, context_bucket(max_context, self.max_model_len)))
         graph.replay()
         return logits
 
@@ -142,20 +172,33 @@ class _Graphs(abc.ABC):
         stream = torch.cuda.Stream(self.model.device)
         stream.wait_stream(torch.cuda.current_stream(self.model.device))
         with torch.cuda.stream(stream):
-            self._forward(rows, batch)
+            warm = self._forward(rows, batch, None)
         torch.cuda.current_stream(self.model.device).wait_stream(stream)
+        if self.logits is None:
+            self.logits = torch.empty((self._logit_rows, warm.shape[1]), dtype=warm.dtype,
+                                      device=warm.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            logits = self._forward(rows, batch)
+            logits = self._forward(rows, batch, self.logits[:warm.shape[0]])
         return graph, logits, batch
+
+    @abc.abstractmethod
+    def _keys(self) -> list[tuple[int, int]]:
+        """Every (rows, context) bucket a step may replay."""
+
+    @abc.abstractmethod
+    def _fill_idle_inputs(self, rows: int, context: int) -> None:
+        """Inputs for a bucket's capture outside a step: rows that touch
+        only the scratch block."""
 
     @abc.abstractmethod
     def _batch(self, rows: int, context: int) -> AttentionBatch:
         """The attention metadata of the bucket's graph, over the device inputs."""
 
     @abc.abstractmethod
-    def _forward(self, rows: int, batch: AttentionBatch) -> torch.Tensor:
-        """The forward the bucket's graph captures; its logits."""
+    def _forward(self, rows: int, batch: AttentionBatch,
+                 out: Optional[torch.Tensor]) -> torch.Tensor:
+        """The forward the bucket's graph captures; its logits (in `out`, if given)."""
 
 
 class DecodeGraphs(_Graphs):
@@ -163,8 +206,8 @@ class DecodeGraphs(_Graphs):
 
     def __init__(self, model: LlamaModel, kv_cache: PagedKVCache, max_batch: int,
                  max_model_len: int, scratch_block: int):
-        super().__init__(model, kv_cache, max_model_len)
         self.buckets = batch_buckets(max_batch)
+        super().__init__(model, kv_cache, max_model_len, logit_rows=self.buckets[-1])
         self.scratch_slot = scratch_block * self.block_size
         dev = model.device
         n = self.buckets[-1]
@@ -177,18 +220,23 @@ class DecodeGraphs(_Graphs):
         # The previous step's sampled tokens (the engine copies them here), so
         # a step can run before the host has read them.
         self.prev_tokens = torch.zeros(n, dtype=torch.int64, device=dev)
-        for h in self.inputs.hosts:
-            h["input_ids"][:] = h["positions"][:] = 0
-            h["slot_mapping"][:] = self.scratch_slot
-            h["sources"][:] = n + np.arange(n)
-            h["context_lens"][:] = 1
-            h["block_tables"][:] = -1
-            h["block_tables"][:, 0] = scratch_block
-        self.inputs.upload()  # both hold the same
         self.q_lens = torch.ones(n, dtype=torch.int32, device=dev)
         self.cu_q_lens = torch.arange(n + 1, dtype=torch.int32, device=dev)
         self._scratch_table_row = np.full(self.width, -1, dtype=np.int32)
         self._scratch_table_row[0] = scratch_block
+        for _ in self.inputs.hosts:  # both hold the same
+            self._fill_idle_inputs(n, 0)
+
+    def _fill_idle_inputs(self, rows: int, context: int) -> None:
+        # every row a padding row: token 0 at position 0 in the scratch block
+        n = self.buckets[-1]
+        h = self.inputs.next_host()
+        h["input_ids"][:] = h["positions"][:] = 0
+        h["slot_mapping"][:] = self.scratch_slot
+        h["sources"][:] = n + np.arange(n)
+        h["context_lens"][:] = 1
+        h["block_tables"][:] = self._scratch_table_row
+        self.inputs.upload()
 
     def fits(self, batch_size: int, max_context: int) -> bool:
         return batch_size <= self.buckets[-1] and max_context <= self.max_model_len
@@ -229,6 +277,9 @@ class DecodeGraphs(_Graphs):
         self.inputs.upload()
         return self._replay(bucket, int(ctx.max()))[:b]
 
+    def _keys(self) -> list[tuple[int, int]]:
+        return [(b, c) for b in self.buckets for c in context_buckets(self.max_model_len)]
+
     def _batch(self, bucket: int, context: int) -> AttentionBatch:
         d = self.inputs.device
         return AttentionBatch(
@@ -238,11 +289,12 @@ class DecodeGraphs(_Graphs):
             q_lens_host=[1] * bucket, context_lens_host=[context] * bucket,
             max_q_len=1, max_context_len=context)
 
-    def _forward(self, bucket: int, batch: AttentionBatch) -> torch.Tensor:
+    def _forward(self, bucket: int, batch: AttentionBatch,
+                 out: Optional[torch.Tensor]) -> torch.Tensor:
         d = self.inputs.device
         ids = torch.cat([self.prev_tokens, d["input_ids"]])[d["sources"][:bucket]]
         # every row's logits are kept: a slice, so no gather kernel
-        return self.model.forward(ids, batch, self.kv_cache, slice(None))
+        return self.model.forward(ids, batch, self.kv_cache, slice(None), out)
 
 
 def fill_prefill_inputs(h: dict[str, np.ndarray], input_ids: list[int], context_len: int,
@@ -291,7 +343,7 @@ class PrefillGraphs(_Graphs):
 
     def __init__(self, model: LlamaModel, kv_cache: PagedKVCache, max_tokens: int,
                  max_model_len: int, scratch_block: int):
-        super().__init__(model, kv_cache, max_model_len)
+        super().__init__(model, kv_cache, max_model_len, logit_rows=1)
         self.buckets = prefill_buckets(max_tokens)
         self.scratch_block = scratch_block
         self.replays = 0
@@ -321,6 +373,17 @@ class PrefillGraphs(_Graphs):
         self.replays += 1
         return self._replay(bucket, padded)
 
+    def _keys(self) -> list[tuple[int, int]]:
+        # the padded rows count in the context: a bucket's context is at least its rows
+        return [(b, c) for b in self.buckets for c in context_buckets(self.max_model_len)
+                if c >= b]
+
+    def _fill_idle_inputs(self, rows: int, context: int) -> None:
+        # one token at position 0 padded to the bucket, every block the scratch one
+        fill_prefill_inputs(self.inputs.next_host(), [0], 1, np.full(1, -1, dtype=np.int32),
+                            rows, self.block_size, self.scratch_block)
+        self.inputs.upload()
+
     def _batch(self, bucket: int, context: int) -> AttentionBatch:
         d = self.inputs.device
         return AttentionBatch(
@@ -329,6 +392,8 @@ class PrefillGraphs(_Graphs):
             positions=d["positions"][:bucket], q_lens_host=[bucket],
             context_lens_host=[context], max_q_len=bucket, max_context_len=context)
 
-    def _forward(self, bucket: int, batch: AttentionBatch) -> torch.Tensor:
+    def _forward(self, bucket: int, batch: AttentionBatch,
+                 out: Optional[torch.Tensor]) -> torch.Tensor:
         d = self.inputs.device
-        return self.model.forward(d["input_ids"][:bucket], batch, self.kv_cache, d["logits_row"])
+        return self.model.forward(d["input_ids"][:bucket], batch, self.kv_cache, d["logits_row"],
+                                  out)

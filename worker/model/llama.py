@@ -105,10 +105,12 @@ class LlamaModel:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, batch: AttentionBatch, kv: PagedKVCache,
-                logits_indices: Optional[torch.Tensor | slice] = None) -> torch.Tensor:
+                logits_indices: Optional[torch.Tensor | slice] = None,
+                out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """input_ids: [T]. Returns float32 logits of the rows in `logits_indices`
         (indices, or a slice such as slice(None) for every row; default: the
-        last new token of every sequence), [N, vocab]."""
+        last new token of every sequence), [N, vocab]; written into `out`
+        where given (a float32 [N, vocab] buffer)."""
         cfg, ops = self.config, self.ops
         t = input_ids.shape[0]
         # The residual stream, updated in place by the o and down projections;
@@ -129,7 +131,7 @@ class LlamaModel:
         logits = ops.linear(residual[logits_indices], self.lm_head, norm=(self.norm, eps))
         if self.gather_logits:
             logits = self.tp.all_gather_columns(logits)
-        return logits.float()
+        return logits.float() if out is None else out.copy_(logits)
 
     def _project_into(self, residual: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
         """residual += x @ w.T; under tensor parallelism each rank holds a

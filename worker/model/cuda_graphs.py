@@ -133,7 +133,7 @@ class _Graphs(abc.ABC):
 
     @property
     def captured(self) -> int:
-        """How many graphs are held (each bucket's is captured on first use)."""
+        """How many graphs are held (captured at start, or each on its first use)."""
         return len(self._graphs)
 
     def release(self) -> None:

@@ -19,11 +19,12 @@ Writes copy_engine_overlap.md and copy_engine_overlap.json to --out."""
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from gpu_engine import publish
 
 HIDDEN, INTER = 4096, 7168  # Llama-3-8B's width, and its MLP's per rank at 2 ranks
 CALLS = 64
@@ -144,9 +145,7 @@ def main() -> None:
         lines.append(f"| {r['rows']} | {r['bytes'] / 2 ** 20:.0f} | {r['exchange_us']:.1f} | "
                      f"{r['exchange_GBps']:.0f} | {r['gemm_us']:.1f} | "
                      f"{r['gemm_beside_exchange_us']:.1f} | {r['exchange_beside_gemm_us']:.1f} |")
-    (args.out / "copy_engine_overlap.md").write_text("\n".join(lines) + "\n")
-    (args.out / "copy_engine_overlap.json").write_text(json.dumps(results, indent=2) + "\n")
-    print("\n".join(lines))
+    publish(args.out, "copy_engine_overlap", lines, results)
 
 
 if __name__ == "__main__":

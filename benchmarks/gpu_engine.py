@@ -47,6 +47,14 @@ def sync_time() -> float:
     return time.perf_counter()
 
 
+def publish(out: Path, stem: str, lines: list[str], results) -> None:
+    """A benchmark's report: `lines` to OUT/STEM.md and printed, `results`
+    to OUT/STEM.json."""
+    (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    (out / f"{stem}.json").write_text(json.dumps(results, indent=2) + "\n")
+    print("\n".join(lines))
+
+
 def median_ms(fn, reps: int = 20) -> float:
     fn()
     times = []
@@ -262,12 +270,13 @@ def run_offline(engine: Engine, work: list[tuple[list[int], int]], spans: bool =
     assert done["n"] == len(work)
     # the share of the run the host spent waiting for the device (near 0: host-bound)
     waited = engine.counters["token_wait_seconds"] - waited
+    count, seconds = captured()
     out = {"seconds": elapsed, "output_tokens": done["tokens"],
            "output_tok_per_s": done["tokens"] / elapsed, "req_per_s": len(work) / elapsed,
            "host_waiting": waited / elapsed,
            # decode graphs captured during the run (each on its bucket's first step)
-           "graphs_captured": captured()[0] - captured_before[0],
-           "graph_capture_s": captured()[1] - captured_before[1]}
+           "graphs_captured": count - captured_before[0],
+           "graph_capture_s": seconds - captured_before[1]}
     if recorder is not None:
         out["step_spans"] = recorder.close()
     return out

@@ -13,13 +13,12 @@ Writes sampled_decode.md and sampled_decode.json to --out."""
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
 import torch
 
-from gpu_engine import LLAMA3_8B, ab_engine, random_tensors, sync_time
+from gpu_engine import LLAMA3_8B, ab_engine, publish, random_tensors, sync_time
 from turbomq.worker import SamplingParams
 from turbomq.worker.model import sampler
 from turbomq.worker.model.llama import LlamaModel
@@ -89,9 +88,7 @@ def main() -> None:
                    if r["batch"] == batch and r["copies"] == copies}
             lines.append(f"| {batch} | {copies} | {got['greedy']:,.1f} | {got['sampled']:,.1f} | "
                          f"{got['sampled'] / got['greedy']:.3f} |")
-    (args.out / "sampled_decode.md").write_text("\n".join(lines) + "\n")
-    (args.out / "sampled_decode.json").write_text(json.dumps(results, indent=2) + "\n")
-    print("\n".join(lines))
+    publish(args.out, "sampled_decode", lines, results)
 
 
 if __name__ == "__main__":

@@ -276,3 +276,18 @@ def test_host_tier_and_prefix_cache_on_cuda_give_the_cpu_tokens(tmp_path):
     assert got == want
     assert stats["host_tier_loaded_blocks"] > 0 and stats["host_tier_stored_blocks"] > 0
     cuda.kv_manager.check()
+
+
+def test_pinned_empty_is_page_locked_and_takes_asynchronous_copies():
+    """The host tier's memory: pinned (torch sees it so), and asynchronous
+    copies in and out of it round-trip."""
+    from turbomq.worker.engine.runner import pinned_empty
+
+    host = pinned_empty((1000, 3, 7), torch.bfloat16)
+    assert host.is_pinned() and host.shape == (1000, 3, 7) and not host.any()
+    src = torch.randn(1000, 3, 7, device="cuda").bfloat16()
+    host.copy_(src, non_blocking=True)
+    back = torch.empty_like(src)
+    back.copy_(host, non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(back, src)

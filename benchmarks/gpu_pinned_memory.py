@@ -1,5 +1,5 @@
 """Page-locked host memory for the host-RAM KV tier: torch's
-`pin_memory=True` against `runner.pinned_empty` (pages faulted in by
+`pin_memory=True` against `runner.pinned_zeros` (pages faulted in by
 several threads, then the range registered with the driver), by size:
 seconds to get it, GiB locked, and device-to-host copy speed into it.
 
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from turbomq.worker.engine.runner import pinned_empty
+from turbomq.worker.engine.runner import pinned_zeros
 
 GIB = 1 << 30
 COPY = 1 << 30  # bytes of each timed device-to-host copy
@@ -43,7 +43,7 @@ def measure(mode: str, gib: int) -> dict:
         host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         locked = torch.cuda.host_memory_stats()["allocated_bytes.current"] - held
     else:
-        host = pinned_empty((nbytes,), torch.uint8)
+        host = pinned_zeros((nbytes,), torch.uint8)
         locked = nbytes
     seconds = time.perf_counter() - t0
     out = {"mode": mode, "GiB asked": gib, "seconds": seconds, "GiB locked": locked / GIB,
@@ -60,11 +60,11 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     torch.empty(1, device="cuda")  # the context first: it is not what is timed
     rows = [measure(mode, gib) for gib in args.gib
-            for mode in ("pin_memory=True", "runner.pinned_empty")]
+            for mode in ("pin_memory=True", "runner.pinned_zeros")]
     lines = [f"# Pinned host memory ({torch.cuda.get_device_name()}, {os.cpu_count()} cores)", "",
              "`python benchmarks/gpu_pinned_memory.py --out DIR`: page-locked host memory "
              "as the host-RAM KV tier gets it. torch's `pin_memory=True` against "
-             "`runner.pinned_empty` (pages faulted in on up to 16 threads, then "
+             "`runner.pinned_zeros` (pages faulted in on up to 16 threads, then "
              "`cudaHostRegister`); seconds to get it, GiB locked (torch's pinned "
              "allocator's own count for it), and 1 GiB device-to-host copies into it. "
              "All rows from one run.", "",

@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from helpers import demo_engine as engine, random_tokens
 from turbomq.worker import SamplingParams
@@ -138,3 +139,16 @@ def test_a_loaded_block_leaves_the_tier_and_its_slot_frees_after_the_step():
     tier.end_step()
     assert tier.store(13) == a  # free again from the next step
     assert tier.stats()["host_tier_blocks_used"] == 2 and tier.stored_blocks == 4
+
+
+@pytest.mark.parametrize("shape,dtype", [((0,), torch.uint8), ((17,), torch.uint8),
+                                         ((5, 3, 7), torch.bfloat16), ((1 << 20, 3), torch.int8),
+                                         ((1000, 9), torch.float32)])
+def test_host_zeros_fault_in_every_byte(shape, dtype):
+    """The host tier's memory before it is registered with the driver: every
+    chunk the threads share zeroed, whatever the size."""
+    from turbomq.worker.engine.runner import host_zeros
+
+    t = host_zeros(shape, dtype)
+    assert t.shape == shape and t.dtype == dtype and t.is_contiguous()
+    assert not t.view(-1).view(torch.uint8).any()

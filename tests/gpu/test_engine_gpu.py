@@ -278,12 +278,12 @@ def test_host_tier_and_prefix_cache_on_cuda_give_the_cpu_tokens(tmp_path):
     cuda.kv_manager.check()
 
 
-def test_pinned_empty_is_page_locked_and_takes_asynchronous_copies():
+def test_pinned_zeros_is_page_locked_and_takes_asynchronous_copies():
     """The host tier's memory: pinned (torch sees it so), and asynchronous
     copies in and out of it round-trip."""
-    from turbomq.worker.engine.runner import pinned_empty
+    from turbomq.worker.engine.runner import pinned_zeros
 
-    host = pinned_empty((1000, 3, 7), torch.bfloat16)
+    host = pinned_zeros((1000, 3, 7), torch.bfloat16)
     assert host.is_pinned() and host.shape == (1000, 3, 7) and not host.any()
     src = torch.randn(1000, 3, 7, device="cuda").bfloat16()
     host.copy_(src, non_blocking=True)

@@ -36,22 +36,30 @@ log = logging.getLogger("turbomq.engine")
 CPU_KV_BYTES_DEFAULT = 1 << 30  # pool cap on CPU when num_kv_blocks is not given
 
 
-def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A host tensor of page-locked memory, exactly its size. Not
+def host_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed host tensor whose pages are all faulted in, by up to 16
+    threads at once (one thread faults in a few GB a second)."""
+    t = torch.empty(shape, dtype=dtype)
+    flat = t.view(-1).view(torch.uint8)
+    parts = max(1, min(16, os.cpu_count() or 1, flat.numel()))
+    with concurrent.futures.ThreadPoolExecutor(parts) as pool:  # torch frees the GIL
+        list(pool.map(torch.Tensor.zero_, flat.chunk(parts)))
+    return t
+
+
+def pinned_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed host tensor of page-locked memory, exactly its size. Not
     `pin_memory=True`: torch's pinned allocator rounds a request up to a
     power of two (a 24 GiB tier locked 32) and locks the pages as it faults
     them in (19.8 s for it on an H200 host). Here the pages are faulted in
-    first, by several threads, and the range registered with the driver:
-    2.1 s (docs/kv_cache.md, "Host-RAM tier")."""
-    t = torch.empty(shape, dtype=dtype)
-    flat = t.view(-1).view(torch.uint8)
-    parts = max(1, min(16, os.cpu_count() or 1))
-    with concurrent.futures.ThreadPoolExecutor(parts) as pool:  # torch frees the GIL
-        list(pool.map(torch.Tensor.zero_, flat.chunk(parts)))
+    first (`host_zeros`) and the range registered with the driver: 2.1 s
+    (docs/kv_cache.md, "Host-RAM tier")."""
+    t = host_zeros(shape, dtype)
+    nbytes = t.numel() * t.element_size()
     cudart = torch.cuda.cudart()
-    status = cudart.cudaHostRegister(t.data_ptr(), flat.numel(), 0)
+    status = cudart.cudaHostRegister(t.data_ptr(), nbytes, 0)
     if int(status) != 0:
-        raise RuntimeError(f"cudaHostRegister of {flat.numel()} bytes failed: {status}")
+        raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed: {status}")
     weakref.finalize(t, cudart.cudaHostUnregister, t.data_ptr())
     return t
 
@@ -213,7 +221,7 @@ class ModelRunner:
 
         def slots_like(pool: torch.Tensor) -> torch.Tensor:
             shape = (num_blocks, pool.shape[0], pool.shape[1], *pool.shape[3:])
-            return pinned_empty(shape, pool.dtype) if pin else torch.empty(shape, dtype=pool.dtype)
+            return pinned_zeros(shape, pool.dtype) if pin else torch.empty(shape, dtype=pool.dtype)
 
         if pin:
             self._copy_streams = {d: torch.cuda.Stream(self.device) for d in ("out", "in")}

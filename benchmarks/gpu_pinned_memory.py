@@ -10,13 +10,13 @@ Writes pinned_memory.md and pinned_memory.json to --out."""
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 from pathlib import Path
 
 import torch
 
+from gpu_engine import publish
 from turbomq.worker.engine.runner import pinned_zeros
 
 GIB = 1 << 30
@@ -72,9 +72,7 @@ def main() -> None:
              "| ---: | --- | ---: | ---: | ---: |"]
     lines += [f"| {r['GiB asked']} | {r['mode']} | {r['seconds']:.2f} | {r['GiB locked']:.1f} | "
               f"{r['d2h_GBps']:.1f} |" for r in rows]
-    (args.out / "pinned_memory.md").write_text("\n".join(lines) + "\n")
-    (args.out / "pinned_memory.json").write_text(json.dumps(rows, indent=2) + "\n")
-    print("\n".join(lines))
+    publish(args.out, "pinned_memory", lines, rows)
 
 
 if __name__ == "__main__":

@@ -51,8 +51,8 @@ def pinned_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zeroed host tensor of page-locked memory, exactly its size. Not
     `pin_memory=True`: torch's pinned allocator rounds a request up to a
     power of two (a 24 GiB tier locked 32) and locks the pages as it faults
-    them in (19.8 s for it on an H200 host). Here the pages are faulted in
-    first (`host_zeros`) and the range registered with the driver: 2.1 s
+    them in (22.0 s for it on an H200 host). Here the pages are faulted in
+    first (`host_zeros`) and the range registered with the driver: 7.7 s
     (docs/kv_cache.md, "Host-RAM tier")."""
     t = host_zeros(shape, dtype)
     nbytes = t.numel() * t.element_size()

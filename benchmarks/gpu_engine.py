@@ -192,6 +192,23 @@ def profile_steps(engine: Engine, steps: int, rows: int = 25) -> tuple[float, st
     return wall, f"{kernel_groups(events)}\n{table}"
 
 
+def span_rows(spans: list[tuple[str, dict]]) -> list[str]:
+    """Markdown rows of StepSpans results, (engine name, kinds) each."""
+    rows = ["Where each offline run's time goes, by kind of step, on rank 0's compute "
+            "stream: span, from the event before a step's launch to the one after it (its "
+            "GPU time, or the host's launch time where the host queues kernels slower than "
+            "they run); idle, the GPU's wait for the host before the step; launch, the host's "
+            "time in the launch call (its work, and any wait in it for the device).", "",
+            "| engine | steps | tokens / step | span s | span ms / step | idle s | launch s |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for name, kinds in spans:
+        for kind, k in kinds.items():
+            rows.append(f"| {name}, {kind} | {k['steps']:,} | {k['tokens'] / k['steps']:,.0f} | "
+                        f"{k['span_s']:.2f} | {1e3 * k['span_s'] / k['steps']:.2f} | "
+                        f"{k['gap_s']:.2f} | {k['host_s']:.2f} |")
+    return rows
+
+
 def submit_all(engine: Engine, work: list[tuple[list[int], int]], callback=lambda e: None) -> None:
     """Submit every (prompt, output length) of `work` at once, greedy."""
     for prompt, out_len in work:
@@ -327,12 +344,14 @@ def ab_engine(model: LlamaModel, max_batch_size: int, **config) -> Engine:
     return engine
 
 
-def speeds(engine: Engine, cfg: ModelConfig, bandwidth: dict, work: list, label: str) -> dict:
-    """Batch-1 decode and, given `work`, offline throughput; printed as measured."""
+def speeds(engine: Engine, cfg: ModelConfig, bandwidth: dict, work: list, label: str,
+           spans: bool = False) -> dict:
+    """Batch-1 decode and, given `work`, offline throughput (with `spans`,
+    its StepSpans too); printed as measured."""
     r = {"decode_batch1": decode_batch1(engine, cfg, bandwidth)}
     print(label, "decode", r["decode_batch1"], flush=True)
     if work:
-        r["offline"] = run_offline(engine, work)
+        r["offline"] = run_offline(engine, work, spans)
         print(label, "offline", r["offline"], flush=True)
     return r
 

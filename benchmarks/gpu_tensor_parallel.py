@@ -31,7 +31,8 @@ from typing import Optional
 
 import torch
 
-from gpu_engine import GREEDY, LLAMA3_8B, random_tensors, run_offline, sharegpt_like, sync_time
+from gpu_engine import (GREEDY, LLAMA3_8B, random_tensors, run_offline, sharegpt_like, span_rows,
+                        sync_time)
 from turbomq.worker import Engine, EngineConfig, SamplingParams
 from turbomq.worker.model import parallel
 from turbomq.worker.model.weights import Checkpoint, save_converted
@@ -183,18 +184,7 @@ def write_report(out: Path, r: dict) -> None:
              "host sets the pace). docs/engine.md, Tensor parallel."]
     spans = [(name, c["step_spans"]) for name, c in r["cases"].items() if "step_spans" in c]
     if spans:
-        rows += ["", "Where each offline run's time goes, by kind of step, on rank 0's compute "
-                 "stream: span, from the event before a step's launch to the one after it (its "
-                 "GPU time, or the host's launch time where the host queues kernels slower than "
-                 "they run); idle, the GPU's wait for the host before the step; launch, the host's "
-                 "time in the launch call (its work, and any wait in it for the device).", "",
-                 "| engine | steps | tokens / step | span s | span ms / step | idle s | launch s |",
-                 "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
-        for name, kinds in spans:
-            for kind, k in kinds.items():
-                rows.append(f"| {name}, {kind} | {k['steps']:,} | {k['tokens'] / k['steps']:,.0f} | "
-                            f"{k['span_s']:.2f} | {1e3 * k['span_s'] / k['steps']:.2f} | "
-                            f"{k['gap_s']:.2f} | {k['host_s']:.2f} |")
+        rows += [""] + span_rows(spans)
         rows += ["", "Decode graphs captured during the offline run (a bucket's graph on its "
                  "first step, inside that step's launch), and the host's time in them: " + "; ".join(
                      f"{name}: {r['cases'][name].get('graphs_captured', 0)}, "

@@ -79,9 +79,10 @@ def smollm2_gguf_or_skip() -> str:
         pytest.skip(f"SmolLM2 GGUF not on this machine and not fetchable: {str(e)[:120]}")
 
 
-def our_logits(model, ids, chunks: list[int]):
+def our_logits(model, ids, chunks: list[int], kv_dtype=None):
     """All-position logits of a LlamaModel, computed chunk by chunk (prefill
-    with history) over a shuffled block table of a paged KV pool."""
+    with history) over a shuffled block table of a paged KV pool (of the
+    model's dtype, or kv_dtype: torch.int8 for the 8-bit cache)."""
     import numpy as np
     import torch
     from turbomq.worker.model.kv_cache import PagedKVCache
@@ -91,7 +92,7 @@ def our_logits(model, ids, chunks: list[int]):
     block_size = 8
     num_blocks = (len(ids) + block_size - 1) // block_size + 3
     kv = PagedKVCache(cfg.num_layers, num_blocks, block_size, model.num_kv_heads, cfg.head_dim,
-                      model.dtype, device)
+                      kv_dtype or model.dtype, device)
     table = np.random.default_rng(0).permutation(num_blocks)[None, :]
     out, done = [], 0
     for n in chunks:

@@ -149,6 +149,11 @@ def test_host_zeros_fault_in_every_byte(shape, dtype):
     chunk the threads share zeroed, whatever the size."""
     from turbomq.worker.engine.runner import host_zeros
 
+    # freed just before, dirty: the allocator hands such memory back, so
+    # a chunk left unzeroed shows
+    dirty = torch.empty(shape, dtype=dtype)
+    dirty.view(-1).view(torch.uint8).fill_(0xFF)
+    del dirty
     t = host_zeros(shape, dtype)
     assert t.shape == shape and t.dtype == dtype and t.is_contiguous()
     assert not t.view(-1).view(torch.uint8).any()

@@ -37,6 +37,9 @@ void bind_cuda(py::module_& parent) {
   m.def("quantize_fp8", &cuda::quantize_fp8, py::arg("q"), py::arg("scale"), py::arg("x"),
         py::arg("x_stride"), py::arg("norm_weight"), py::arg("rows"), py::arg("hidden"),
         py::arg("eps"), py::arg("dtype"), py::arg("stream"));
+  m.def("fp8_scale", &cuda::fp8_scale, py::arg("out"), py::arg("y"), py::arg("y_stride"),
+        py::arg("sx"), py::arg("sw"), py::arg("rows"), py::arg("n_out"), py::arg("epilogue"),
+        py::arg("dtype"), py::arg("stream"));
   m.def("silu_mul", &cuda::silu_mul, py::arg("out"), py::arg("gate_up"), py::arg("in_stride"),
         py::arg("tokens"), py::arg("inter"), py::arg("dtype"), py::arg("stream"));
   m.def("write_kv", &cuda::write_kv, py::arg("k_cache"), py::arg("v_cache"), py::arg("k_scale"),

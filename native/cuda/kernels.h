@@ -182,6 +182,17 @@ void quantize_fp8(std::uintptr_t q, std::uintptr_t scale, std::uintptr_t x, std:
                   std::uintptr_t norm_weight, std::int64_t rows, std::int64_t hidden, float eps,
                   DType dtype, std::uintptr_t stream);
 
+// The per-tensor FP8 product's scales applied after it, with a GEMV
+// epilogue: out[m, n] (out [rows, n_out], 16-bit) = y[m, n] * sx[m] * sw[n]
+// (y [rows, >= n_out] fp32, y_stride apart; sx [rows], sw [n_out] float32),
+// rounded once (kStore); rounded and added into out as the separate add
+// rounds (kAddInto); or, with y holding gate | up n_out apart and sw their
+// scales, silu_mul of the two rounded values (kSiluMul). n_out and y_stride
+// multiples of 4.
+void fp8_scale(std::uintptr_t out, std::uintptr_t y, std::int64_t y_stride, std::uintptr_t sx,
+               std::uintptr_t sw, std::int64_t rows, std::int64_t n_out, GemvEpilogue epilogue,
+               DType dtype, std::uintptr_t stream);
+
 // Paged attention over block tables, decode and prefill-with-history alike.
 // A "tile" is up to 16 rows (query token, query head) of one sequence sharing
 // one KV head. tiles: int32 [num_tiles, 2] = (sequence, row tile), or 0 when

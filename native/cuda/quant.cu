@@ -6,6 +6,8 @@
 // reduction, the same two roundings), so the result equals rms_norm followed
 // by the reference's quantize_rows bit for bit: scale = amax * (1/448) (at least
 // 1e-12), q = e4m3(y * (1 / scale)) rounded to nearest even, saturating.
+#include <algorithm>
+
 #include "common.cuh"
 
 namespace turbomq {
@@ -75,6 +77,41 @@ quantize_fp8_kernel(__nv_fp8_e4m3* __restrict__ q, float* __restrict__ scale,
   }
 }
 
+// The scales of a per-tensor FP8 product applied after it: v = y[m, n] *
+// sx[m] * sw[n] in fp32 (the row-wise epilogue's numbers), then one of the
+// GEMV's epilogues, rounded as the separate ops round. Four outputs a
+// thread; kSiluMul pairs gate column j with up column j + n_out of y.
+template <typename T, GemvEpilogue E>
+__global__ void fp8_scale_kernel(T* __restrict__ out, const float* __restrict__ y,
+                                 std::int64_t y_stride, const float* __restrict__ sx,
+                                 const float* __restrict__ sw, std::int64_t rows, int n_out) {
+  const int quads = n_out / 4;
+  const std::int64_t items = rows * quads;
+  for (std::int64_t item = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
+       item < items; item += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    const std::int64_t m = item / quads;
+    const int n = static_cast<int>(item % quads) * 4;
+    const float* yr = y + m * y_stride;
+    const float s = sx[m];
+    const float4 a = *reinterpret_cast<const float4*>(yr + n);
+    const float4 wa = __ldg(reinterpret_cast<const float4*>(sw + n));
+    float v[4] = {a.x * s * wa.x, a.y * s * wa.y, a.z * s * wa.z, a.w * s * wa.w};
+    T* o = out + m * n_out + n;
+    if constexpr (E == GemvEpilogue::kSiluMul) {
+      const float4 b = *reinterpret_cast<const float4*>(yr + n_out + n);
+      const float4 wb = __ldg(reinterpret_cast<const float4*>(sw + n_out + n));
+      const float u[4] = {b.x * s * wb.x, b.y * s * wb.y, b.z * s * wb.z, b.w * s * wb.w};
+#pragma unroll
+      for (int e = 0; e < 4; ++e) v[e] = silu_mul_of<T>(round_to<T>(v[e]), round_to<T>(u[e]));
+    }
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      if constexpr (E == GemvEpilogue::kAddInto) v[e] = round_to<T>(v[e]) + to_float(o[e]);
+      o[e] = from_float<T>(v[e]);
+    }
+  }
+}
+
 }  // namespace
 
 void quantize_fp8(std::uintptr_t q, std::uintptr_t scale, std::uintptr_t x, std::int64_t x_stride,
@@ -100,6 +137,47 @@ void quantize_fp8(std::uintptr_t q, std::uintptr_t scale, std::uintptr_t x, std:
     throw std::invalid_argument("quantize_fp8: x must be fp16 or bf16");
   }
   check_launch("quantize_fp8");
+}
+
+void fp8_scale(std::uintptr_t out, std::uintptr_t y, std::int64_t y_stride, std::uintptr_t sx,
+               std::uintptr_t sw, std::int64_t rows, std::int64_t n_out, GemvEpilogue epilogue,
+               DType dtype, std::uintptr_t stream) {
+  require(n_out > 0 && n_out % 4 == 0 && y_stride % 4 == 0 && y % 16 == 0 && sw % 16 == 0,
+          "fp8_scale: n_out and y's row stride multiples of 4, y and sw 16-byte aligned");
+  const std::int64_t items = rows * (n_out / 4);
+  if (items == 0) return;
+  constexpr int kThreads = 256;
+  const unsigned grid = static_cast<unsigned>(std::min<std::int64_t>((items + kThreads - 1) / kThreads, 4096));
+  const int n = static_cast<int>(n_out);
+  auto* yp = reinterpret_cast<const float*>(y);
+  auto* sxp = reinterpret_cast<const float*>(sx);
+  auto* swp = reinterpret_cast<const float*>(sw);
+  auto launch = [&](auto tag) {
+    using T = decltype(tag);
+    T* o = reinterpret_cast<T*>(out);
+    switch (epilogue) {
+      case GemvEpilogue::kStore:
+        fp8_scale_kernel<T, GemvEpilogue::kStore><<<grid, kThreads, 0, as_stream(stream)>>>(
+            o, yp, y_stride, sxp, swp, rows, n);
+        break;
+      case GemvEpilogue::kAddInto:
+        fp8_scale_kernel<T, GemvEpilogue::kAddInto><<<grid, kThreads, 0, as_stream(stream)>>>(
+            o, yp, y_stride, sxp, swp, rows, n);
+        break;
+      case GemvEpilogue::kSiluMul:
+        fp8_scale_kernel<T, GemvEpilogue::kSiluMul><<<grid, kThreads, 0, as_stream(stream)>>>(
+            o, yp, y_stride, sxp, swp, rows, n);
+        break;
+    }
+  };
+  if (dtype == DType::kBF16) {
+    launch(__nv_bfloat16{});
+  } else if (dtype == DType::kF16) {
+    launch(__half{});
+  } else {
+    throw std::invalid_argument("fp8_scale: out must be fp16 or bf16");
+  }
+  check_launch("fp8_scale");
 }
 
 }  // namespace cuda

@@ -147,7 +147,38 @@ def test_fp8_gemv_qkv_rotary_write_kv_equals_the_unfused_ops(rows, monkeypatch):
     assert rel_err(kv.k, apart.k) < 1e-2 and rel_err(kv.v, apart.v) < 1e-2
 
 
-def test_fp8_graph_decode_equals_eager_and_answers():
+@pytest.mark.parametrize("rows", [5, 64, 256])
+@pytest.mark.parametrize("mode", ["store", "silu", "residual"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fp8_per_tensor_product_scaled_after_equals_the_row_wise_path(rows, mode, dtype,
+                                                                      monkeypatch):
+    """FP8_TENSORWISE_MAX_ROWS: unit scales in the product, the row and
+    channel scales and the epilogue in one launch after it. The same numbers
+    as the row-wise epilogue but for the order of fp32 roundings: at most a
+    rounding step of the output apart."""
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    k, n = 4096, 2048
+    x = torch.randn(rows, k, generator=g, device="cuda", dtype=dtype)
+    w = quantize_weight(torch.randn(2 * n if mode == "silu" else n, k, generator=g,
+                                    device="cuda") * 0.02)
+    norm = (torch.rand(k, generator=g, device="cuda", dtype=dtype) + 0.5, 1e-5)
+    res = torch.randn(rows, n, generator=g, device="cuda", dtype=dtype)
+
+    def run(tensorwise_rows: int) -> torch.Tensor:
+        monkeypatch.setattr(cuda_ops, "FP8_TENSORWISE_MAX_ROWS", tensorwise_rows)
+        kw = {"store": dict(norm=norm), "silu": dict(norm=norm, silu=True),
+              "residual": dict(residual=res.clone())}[mode]
+        return cuda_ops.linear(x, w, **kw)
+
+    want, got = run(0), run(256)
+    assert got.dtype == dtype and got.shape == want.shape == (rows, n)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7,
+                               atol=2 ** -7 * want.float().abs().max().item())
+
+
+@pytest.mark.parametrize("tensorwise_rows", [0, 256])
+def test_fp8_graph_decode_equals_eager_and_answers(tensorwise_rows, monkeypatch):
+    monkeypatch.setattr(cuda_ops, "FP8_TENSORWISE_MAX_ROWS", tensorwise_rows)
     path = smollm2_gguf_or_skip()
     question = [[{"role": "user", "content": "What is the capital of France?"}]]
     params = SamplingParams(max_tokens=24, temperature=0.0)

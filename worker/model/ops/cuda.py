@@ -84,6 +84,12 @@ FUSED_GEMV_MAX_ROWS = 1
 # TURBOMQ_FP8_GEMV_MAX_ROWS overrides (0: never).
 _FP8_GEMM = hasattr(torch, "_scaled_mm")
 FP8_GEMV_MAX_ROWS = int(os.environ.get("TURBOMQ_FP8_GEMV_MAX_ROWS", "4"))
+# Past the GEMV, up to this many rows the FP8 product runs with one scale
+# per tensor and an fp32 result, the row and channel scales applied after it
+# with the epilogue (`fp8_scale`): cuBLASLt offers row-wise scaling a single
+# configuration (128 x 128 tiles), which leaves most SMs idle at decode's
+# rows. 0: never (benchmarks/gpu_decode_gemms.py measures it).
+FP8_TENSORWISE_MAX_ROWS = int(os.environ.get("TURBOMQ_FP8_TENSORWISE_MAX_ROWS", "0"))
 # Paged attention launched as a programmatic dependent (where TURBOMQ_PDL is
 # on): it pulls its K/V rows into L2 while the qkv projection runs.
 ATTENTION_PDL = os.environ.get("TURBOMQ_ATTENTION_PDL", "1") != "0"
@@ -475,8 +481,10 @@ def _linear_fp8(x: torch.Tensor, w: Fp8Weight, norm: Optional[tuple[torch.Tensor
     """An FP8 projection on Hopper's FP8 tensor cores: x normalized and
     quantized per token in one launch, cuBLASLt's FP8 GEMM with both scales
     applied in its epilogue (row-wise scaling gives bf16; an fp16 model
-    casts). Decode at a few rows: the FP8 GEMV, norm, quantization and
-    epilogue in one launch. Elsewhere: the reference."""
+    casts; up to FP8_TENSORWISE_MAX_ROWS rows, unit scales in the product
+    and both after it, with the epilogue, in one launch). Decode at a few
+    rows: the FP8 GEMV, norm, quantization and epilogue in one launch.
+    Elsewhere: the reference."""
     k_in, n_out = x.shape[-1], w.data.shape[0]
     rows = x.numel() // k_in if k_in else 0
     n = n_out // 2 if silu else n_out
@@ -491,6 +499,8 @@ def _linear_fp8(x: torch.Tensor, w: Fp8Weight, norm: Optional[tuple[torch.Tensor
         y = fp8_linear_reference(x, w)
     else:
         q, sx = quantize_fp8(x, norm)
+        if rows <= FP8_TENSORWISE_MAX_ROWS and w.scale.data_ptr() % 16 == 0:
+            return _fp8_tensorwise(q, sx, w, x.dtype, (*x.shape[:-1], n), silu, residual)
         y = torch._scaled_mm(q, w.data.t(), scale_a=sx, scale_b=w.scale[None, :],
                              out_dtype=torch.bfloat16)
         y = y.to(x.dtype).reshape(*x.shape[:-1], n_out)
@@ -499,6 +509,35 @@ def _linear_fp8(x: torch.Tensor, w: Fp8Weight, norm: Optional[tuple[torch.Tensor
     if residual is not None:
         return residual.add_(y)
     return y
+
+
+_ONE: dict[int, torch.Tensor] = {}  # device index -> a float32 1, the per-tensor scales
+
+
+def _fp8_tensorwise(q: torch.Tensor, sx: torch.Tensor, w: Fp8Weight, dtype: torch.dtype,
+                    shape: tuple[int, ...], silu: bool,
+                    residual: Optional[torch.Tensor]) -> torch.Tensor:
+    """The FP8 product with unit per-tensor scales into fp32, then one launch
+    that scales it by sx[m] * w.scale[n] and stores it `shape` (or adds it
+    into `residual`, or pairs gate and up through silu_mul): the row-wise
+    path's numbers, rounded as its epilogue and the separate ops round them."""
+    if residual is not None and (silu or residual.dtype != dtype or not residual.is_contiguous()
+                                 or tuple(residual.shape) != shape):
+        return residual.add_(_fp8_tensorwise(q, sx, w, dtype, shape, silu, None))
+    dev = q.get_device()
+    one = _ONE.get(dev)
+    if one is None:
+        one = _ONE[dev] = torch.ones((), dtype=torch.float32, device=q.device)
+    y = torch._scaled_mm(q, w.data.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+    if residual is not None:
+        out, epilogue = residual, _k.GemvEpilogue.ADD_INTO
+    else:
+        out = torch.empty(shape, dtype=dtype, device=q.device)
+        epilogue = _k.GemvEpilogue.SILU_MUL if silu else _k.GemvEpilogue.STORE
+    with _on_device(q):
+        _k.fp8_scale(out.data_ptr(), y.data_ptr(), y.stride(0), sx.data_ptr(), w.scale.data_ptr(),
+                     y.shape[0], shape[-1], epilogue, _DTYPES[dtype], _stream(q))
+    return out
 
 
 def _linear_unfused(x: torch.Tensor, weight: torch.Tensor,

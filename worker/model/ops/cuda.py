@@ -499,7 +499,8 @@ def _linear_fp8(x: torch.Tensor, w: Fp8Weight, norm: Optional[tuple[torch.Tensor
         y = fp8_linear_reference(x, w)
     else:
         q, sx = quantize_fp8(x, norm)
-        if rows <= FP8_TENSORWISE_MAX_ROWS and w.scale.data_ptr() % 16 == 0:
+        if (rows <= FP8_TENSORWISE_MAX_ROWS and w.scale.data_ptr() % 16 == 0
+                and (x.get_device() in _ONE or not torch.cuda.is_current_stream_capturing())):
             return _fp8_tensorwise(q, sx, w, x.dtype, (*x.shape[:-1], n), silu, residual)
         y = torch._scaled_mm(q, w.data.t(), scale_a=sx, scale_b=w.scale[None, :],
                              out_dtype=torch.bfloat16)
@@ -511,7 +512,10 @@ def _linear_fp8(x: torch.Tensor, w: Fp8Weight, norm: Optional[tuple[torch.Tensor
     return y
 
 
-_ONE: dict[int, torch.Tensor] = {}  # device index -> a float32 1, the per-tensor scales
+# device index -> a float32 1, the per-tensor scales. Made outside any
+# capture (a graph's warm-up runs eagerly first): a tensor filled inside one
+# would hold its value only once the graph replays.
+_ONE: dict[int, torch.Tensor] = {}
 
 
 def _fp8_tensorwise(q: torch.Tensor, sx: torch.Tensor, w: Fp8Weight, dtype: torch.dtype,

@@ -88,8 +88,11 @@ FP8_GEMV_MAX_ROWS = int(os.environ.get("TURBOMQ_FP8_GEMV_MAX_ROWS", "4"))
 # per tensor and an fp32 result, the row and channel scales applied after it
 # with the epilogue (`fp8_scale`): cuBLASLt offers row-wise scaling a single
 # configuration (128 x 128 tiles), which leaves most SMs idle at decode's
-# rows. 0: never (benchmarks/gpu_decode_gemms.py measures it).
-FP8_TENSORWISE_MAX_ROWS = int(os.environ.get("TURBOMQ_FP8_TENSORWISE_MAX_ROWS", "0"))
+# rows. On an H100 a decode step's projections as the engine runs them took
+# 4.36 ms against row-wise's 4.69 at 128 rows, 5.43 against 5.60 at 256
+# (benchmarks/gpu_decode_gemms.py, docs/benchmarks/decode_gemms.md).
+# TURBOMQ_FP8_TENSORWISE_MAX_ROWS overrides (0: never).
+FP8_TENSORWISE_MAX_ROWS = int(os.environ.get("TURBOMQ_FP8_TENSORWISE_MAX_ROWS", "256"))
 # Paged attention launched as a programmatic dependent (where TURBOMQ_PDL is
 # on): it pulls its K/V rows into L2 while the qkv projection runs.
 ATTENTION_PDL = os.environ.get("TURBOMQ_ATTENTION_PDL", "1") != "0"

@@ -125,7 +125,8 @@ def main() -> None:
                             for kind in (*SHAPES, "step")}, flush=True)
     lines = ["# The projections of a decode step against their weights' streaming", "",
              f"{results['device']}, torch {results['torch']}; "
-             "`python benchmarks/gpu_decode_gemms.py --out DIR`. Llama-3-8B's projections over "
+             f"`python benchmarks/gpu_decode_gemms.py --out DIR --rows {' '.join(map(str, args.rows))}`. "
+             "Llama-3-8B's projections over "
              f"{args.layers} layers of distinct weights, each form one CUDA graph, ms per replay "
              f"(median of 20); floor: the weights' bytes at the copy bandwidth measured in the "
              f"same run ({bandwidth:,.0f} GB/s), bf16 / FP8. All rows from one run.", ""]

@@ -223,8 +223,8 @@ class StepSpans:
     than they run (an eager step); the gap before it, the time the GPU sat
     idle waiting for the host to queue it; host, the host's time in the
     launch call (its work, and any wait in it for the device). `close()`:
-    per kind of step (decode graph; with prefill, eager), the steps, tokens
-    and seconds."""
+    per kind of step (decode graph; with prefill, in mixed-step graphs or
+    eager), the steps, tokens and seconds."""
 
     def __init__(self, engine: Engine):
         self.runner, self.launch = engine.runner, engine.runner.launch
@@ -232,13 +232,20 @@ class StepSpans:
         engine.runner.launch = self._launch
 
     def _launch(self, step, *args, **kwargs):
+        mixed = self.runner.mixed_graphs
+        replays = mixed.replays if mixed is not None else 0
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         t0 = time.perf_counter()
         out = self.launch(step, *args, **kwargs)
         host = time.perf_counter() - t0
         end.record()
-        kind = "decode graph" if step.graphed else "with prefill, eager"
+        if step.graphed:
+            kind = "decode graph"
+        elif mixed is not None and mixed.replays > replays:
+            kind = "with prefill, mixed graphs"
+        else:
+            kind = "with prefill, eager"
         self.steps.append((kind, len(step.ids), host, start, end))
         return out
 

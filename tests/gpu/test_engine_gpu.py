@@ -61,10 +61,10 @@ def test_graph_decode_equals_eager(tmp_path, head_dim, kv_dtype):
     params = SamplingParams(max_tokens=48, **GREEDY)
     batch = prompts(12, 2)
     runs = {}
-    for graphs in (False, True):  # decode graphs only (prefill graphs pad their rows)
+    for graphs in (False, True):  # decode graphs only (prefill and mixed graphs pad their rows)
         eng = Engine(EngineConfig(model=path, device="cuda", dtype="bf16", kv_dtype=kv_dtype,
                                   max_batch_size=8, block_size=64, cuda_graphs=graphs,
-                                  prefill_graph_tokens=0))
+                                  prefill_graph_tokens=0, mixed_graph_tokens=0))
         assert (eng.runner.graphs is not None) == graphs
         runs[graphs] = [r.token_ids for r in eng.generate(input_ids=batch, params=params)]
         eng.kv_manager.check()
@@ -127,6 +127,94 @@ def test_prefill_graph_gives_the_eager_logits_and_kv(tmp_path, kv_dtype, quantiz
     assert graphs.captured == 6  # (token, context) buckets: 16, 112, 64, 48, 224 (1024), 160
 
 
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+def test_mixed_graphs_give_the_eager_logits_and_kv(tmp_path, kv_dtype, quantization):
+    """Steps of several sequences -- prefill chunks over history and without,
+    decode rows beside them, token counts inside and at the edge of their
+    buckets -- through MixedGraphs (attention launched between the replayed
+    pieces): every sequence's last-token logits and KV of the eager forward,
+    within the rounding of products on the padded row count (tolerances as
+    for prefill graphs)."""
+    import numpy as np
+
+    from turbomq.worker.model.cuda_graphs import MixedGraphs
+    from turbomq.worker.model.kv_cache import PagedKVCache, resolve_kv_dtype
+    from turbomq.worker.model.llama import LlamaModel
+    from turbomq.worker.model.ops import AttentionBatch
+    from turbomq.worker.model.weights import load_checkpoint
+
+    ckpt = load_checkpoint(tiny_model(tmp_path, 128, 2))
+    model = LlamaModel(ckpt.config, ckpt.tensors, "cuda", torch.bfloat16,
+                       quantization=quantization)
+    cfg, bs, width = model.config, 16, 64
+    kv_type = resolve_kv_dtype(kv_dtype, model.dtype)
+    pools = [PagedKVCache(cfg.num_layers, width + 1, bs, model.num_kv_heads, cfg.head_dim,
+                          kv_type, "cuda") for _ in range(2)]
+    graphs = MixedGraphs(model, pools[1], 512, scratch_block=width)
+    rng = np.random.default_rng(1)
+    steps = [[(0, 5), (0, 11)],  # 16 tokens: a bucket's edge
+             [(37, 1), (300, 1), (0, 64), (12, 30)],  # 96
+             [(0, 200), (5, 1), (90, 100)],  # 301 -> 320
+             [(0, 3), (7, 1), (60, 1)]]  # 5 -> 16
+    for step in steps:
+        order = rng.permutation(width)
+        tables = np.full((len(step), width), -1, dtype=np.int32)
+        ids, used = [], []
+        for s, (history, new) in enumerate(step):
+            n = -(-(history + new) // bs)
+            tables[s, :n] = order[sum(used):sum(used) + n]
+            used.append(n)
+            ids.append(rng.integers(3, cfg.vocab_size, history + new).tolist())
+            for kv in pools:  # the history, eagerly
+                if history:
+                    batch = AttentionBatch.build([history], [history], tables[s:s + 1], bs, "cuda")
+                    model.forward(torch.tensor(ids[s][:history], device="cuda"), batch, kv)
+        q_lens = [new for _, new in step]
+        ctx = [history + new for history, new in step]
+        new_ids = torch.tensor([t for (history, _), x in zip(step, ids) for t in x[history:]],
+                               device="cuda")
+        batch = AttentionBatch.build(q_lens, ctx, tables, bs, "cuda")
+        want = model.forward(new_ids, batch, pools[0])
+        last = torch.tensor(np.cumsum(q_lens) - 1, device="cuda")
+        got = graphs.run(new_ids, AttentionBatch.build(q_lens, ctx, tables, bs, "cuda"), last)
+        tol = 4e-2 if quantization else 2e-2
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol * want.abs().max().item())
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+        blocks = torch.from_numpy(order[:sum(used)]).long().cuda()
+        for a, b in zip(pools[0].layers, pools[1].layers):
+            for x, y, sx, sy in ((a.k, b.k, a.k_scale, b.k_scale), (a.v, b.v, a.v_scale, b.v_scale)):
+                x, y = x[blocks].float(), y[blocks].float()
+                if sx is not None:  # INT8: compare the values the codes stand for
+                    x, y = x * sx[blocks][..., None], y * sy[blocks][..., None]
+                torch.testing.assert_close(y, x, rtol=0, atol=2 * tol * x.abs().max().item())
+    assert graphs.replays == 4
+    assert graphs.captured == 3 * (cfg.num_layers + 1)  # buckets 16, 96, 320
+
+
+def test_engine_mixed_graphs_answer_like_eager(tmp_path):
+    """A batch whose prompts prefill in chunks beside other sequences' decode
+    rows, through mixed-step graphs: the greedy tokens of eager steps (a
+    sequence may part late: bf16 products on padded rows round differently)."""
+    path = tiny_model(tmp_path, 64, 2)
+    params = SamplingParams(max_tokens=24, **GREEDY)
+    runs, replays = {}, {}
+    for tokens in (0, 2048):
+        with Engine(EngineConfig(model=path, device="cuda", dtype="bf16", max_batch_size=8,
+                                 block_size=16, max_num_batched_tokens=256,
+                                 mixed_graph_tokens=tokens)) as eng:
+            runs[tokens] = [r.token_ids for r in eng.generate(input_ids=prompts(12, 8),
+                                                              params=params)]
+            eng.kv_manager.check()
+            graphs = eng.runner.mixed_graphs
+            replays[tokens] = 0 if graphs is None else graphs.replays
+    assert replays[0] == 0 and replays[2048] >= 5
+    first = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), 24)
+             for x, y in zip(runs[0], runs[2048])]
+    print("first divergence per sequence:", first)
+    assert sum(f >= 8 for f in first) >= len(first) - 1
+
+
 def test_engine_prefill_graphs_answer_like_eager(tmp_path):
     """Lone prompts and session turns prefilled by graphs: the greedy tokens
     of eager prefills (a sequence may part late: bf16 products on padded
@@ -136,7 +224,8 @@ def test_engine_prefill_graphs_answer_like_eager(tmp_path):
     runs, replays = {}, {}
     for tokens in (0, 512):
         with Engine(EngineConfig(model=path, device="cuda", dtype="bf16", max_batch_size=4,
-                                 block_size=64, prefill_graph_tokens=tokens)) as eng:
+                                 block_size=64, prefill_graph_tokens=tokens,
+                                 mixed_graph_tokens=0)) as eng:
             out = [eng.generate(input_ids=[p], params=params)[0].token_ids
                    for p in prompts(10, 5)]
             for turn in range(3):  # a session's turns: a short prefill over its history
@@ -153,7 +242,7 @@ def test_engine_prefill_graphs_answer_like_eager(tmp_path):
 
 
 def test_graphs_captured_at_start_answer_like_graphs_captured_on_first_use(tmp_path):
-    """graphs_at_start: every bucket's decode and prefill graph is held once
+    """graphs_at_start: every bucket's decode, prefill and mixed graph is held once
     the engine is up, no step captures another, and the tokens (a batch,
     lone prompts, a session's turns) are those of graphs captured lazily."""
     from turbomq.worker.model.cuda_graphs import batch_buckets, prefill_buckets
@@ -165,8 +254,9 @@ def test_graphs_captured_at_start_answer_like_graphs_captured_on_first_use(tmp_p
         with Engine(EngineConfig(model=path, device="cuda", dtype="bf16", max_batch_size=8,
                                  block_size=64, max_model_len=1024, host_kv_blocks=0,
                                  graphs_at_start=at_start)) as eng:
-            decode, prefill = eng.runner.graphs, eng.runner.prefill_graphs
-            held = (decode.captured, prefill.captured)
+            decode, prefill, mixed = (eng.runner.graphs, eng.runner.prefill_graphs,
+                                      eng.runner.mixed_graphs)
+            held = (decode.captured, prefill.captured, mixed.captured)
             out = [r.token_ids for r in eng.generate(input_ids=prompts(12, 6), params=params)]
             out += [eng.generate(input_ids=[p], params=params)[0].token_ids
                     for p in prompts(4, 7)]
@@ -174,12 +264,13 @@ def test_graphs_captured_at_start_answer_like_graphs_captured_on_first_use(tmp_p
                                  session_id="s")[0].token_ids for turn in range(3)]
             eng.kv_manager.check()
             runs[at_start] = out
-            after = (decode.captured, prefill.captured)
-        if at_start:  # context buckets 512 and 1024
-            assert held == (2 * len(batch_buckets(8)), 2 * len(prefill_buckets(512)))
+            after = (decode.captured, prefill.captured, mixed.captured)
+        if at_start:  # context buckets 512 and 1024; a mixed bucket: embedding + 3 layers
+            assert held == (2 * len(batch_buckets(8)), 2 * len(prefill_buckets(512)),
+                            4 * len(prefill_buckets(512)))  # max_num_batched_tokens
             assert after == held
         else:
-            assert held == (0, 0) and after[0] > 0 and after[1] > 0
+            assert held == (0, 0, 0) and min(after) > 0
     assert runs[True] == runs[False]
 
 

@@ -1,6 +1,8 @@
 """The inputs a prefill graph replays with: a lone sequence's new tokens
-padded to their bucket give the logits and the KV of the unpadded forward
-(run here through the reference ops; tests/gpu replays the graphs)."""
+padded to their bucket give the logits and the KV of the unpadded forward;
+mixed-step graphs' pieces, run between attentions over static buffers,
+give those of the forward (run here through the reference ops, each piece
+run where a graph would replay; tests/gpu replays the graphs)."""
 
 from __future__ import annotations
 
@@ -9,8 +11,9 @@ import pytest
 import torch
 
 from helpers import make_hf_model
-from turbomq.worker.model.cuda_graphs import (batch_buckets, context_bucket, context_buckets,
-                                              fill_prefill_inputs, prefill_buckets)
+from turbomq.worker.model.cuda_graphs import (MixedGraphs, batch_buckets, context_bucket,
+                                              context_buckets, fill_prefill_inputs,
+                                              prefill_buckets)
 from turbomq.worker.model.kv_cache import PagedKVCache
 from turbomq.worker.model.llama import LlamaModel
 from turbomq.worker.model.ops import AttentionBatch
@@ -133,3 +136,57 @@ def test_idle_prefill_inputs_touch_only_the_scratch_block(tmp_path):
     for layer, (k, v) in zip(kv.layers, before):
         assert torch.equal(layer.k[:width], k[:width]) and torch.equal(layer.v[:width], v[:width])
         assert not torch.equal(layer.k[scratch], k[scratch])
+
+
+class _EagerPiece:
+    """Stands for a captured piece on the CPU: replay() runs it."""
+
+    def __init__(self, graphs: MixedGraphs, bucket: int, i: int):
+        self.replay = lambda: graphs._piece(bucket, i)
+
+
+def test_mixed_step_pieces_give_the_forward_logits_and_kv(tmp_path, monkeypatch):
+    """Steps of several sequences (prefill chunks over history and without,
+    decode rows beside them) padded to a bucket and run piece by piece with
+    attention between: each sequence's logits and KV of the forward, and the
+    padding rows touch only the scratch block."""
+    monkeypatch.setattr(MixedGraphs, "_capture", lambda self, bucket: [
+        _EagerPiece(self, bucket, i) for i in range(len(self.kv_cache.layers) + 1)])
+    _, path = make_hf_model("gqa_llama3_rope", tmp_path)
+    ckpt = load_checkpoint(path)
+    model = LlamaModel(ckpt.config, ckpt.tensors)
+    cfg = model.config
+    width = 40  # blocks of the pool but the scratch one
+    pools = [PagedKVCache(cfg.num_layers, width + 1, BLOCK, model.num_kv_heads, cfg.head_dim,
+                          model.dtype) for _ in range(2)]
+    graphs = MixedGraphs(model, pools[1], 128, scratch_block=width)
+    rng = np.random.default_rng(3)
+    for step in ([(0, 5), (0, 11)], [(37, 1), (60, 1), (0, 40), (12, 30)], [(0, 3), (7, 1)]):
+        order = rng.permutation(width)
+        tables = np.full((len(step), width), -1, dtype=np.int32)
+        ids, used = [], 0
+        for s, (history, new) in enumerate(step):
+            n = -(-(history + new) // BLOCK)
+            tables[s, :n] = order[used:used + n]
+            used += n
+            ids.append(rng.integers(3, cfg.vocab_size, history + new).tolist())
+            for kv in pools:  # the history, eagerly
+                if history:
+                    forward(model, kv, ids[s][:history], [history], [history],
+                            tables[s:s + 1], [history - 1])
+        q_lens = [new for _, new in step]
+        ctx = [history + new for history, new in step]
+        new_ids = [t for (history, _), x in zip(step, ids) for t in x[history:]]
+        rows = list(np.cumsum(q_lens) - 1)
+        want = forward(model, pools[0], new_ids, q_lens, ctx, tables, rows)
+        scratch = [(layer.k[width].clone(), layer.v[width].clone()) for layer in pools[1].layers]
+        with torch.no_grad():
+            got = graphs.run(torch.tensor(new_ids), AttentionBatch.build(q_lens, ctx, tables, BLOCK),
+                             torch.tensor(rows))
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        for a, b, (k, v) in zip(pools[0].layers, pools[1].layers, scratch):
+            torch.testing.assert_close(b.k[:width], a.k[:width], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(b.v[:width], a.v[:width], rtol=1e-5, atol=1e-5)
+            if len(new_ids) not in graphs.buckets:  # padded: only the scratch block took them
+                assert not torch.equal(b.k[width], k)
+    assert graphs.replays == 3 and sorted(graphs._graphs) == [16, 80]

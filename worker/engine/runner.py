@@ -21,7 +21,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from ..model.cuda_graphs import DecodeGraphs, PrefillGraphs, graphs_supported
+from ..model.cuda_graphs import DecodeGraphs, MixedGraphs, PrefillGraphs, graphs_supported
 from ..model.kv_cache import PagedKVCache, resolve_kv_dtype
 from ..model.llama import LlamaModel, parse_dtype
 from ..model.ops import AttentionBatch
@@ -143,6 +143,7 @@ class ModelRunner:
         self._copied: dict[str, Optional["torch.cuda.Event"]] = {"out": None, "in": None}
         self.graphs: Optional[DecodeGraphs] = None
         self.prefill_graphs: Optional[PrefillGraphs] = None
+        self.mixed_graphs: Optional[MixedGraphs] = None
         # Two pinned buffers for sampled tokens, one per step in flight.
         self._token_buffers = ([torch.empty(config.max_batch_size, dtype=torch.long,
                                             pin_memory=True) for _ in range(2)]
@@ -184,6 +185,10 @@ class ModelRunner:
                 self.prefill_graphs = PrefillGraphs(self.model, self.kv_cache,
                                                     cfg.prefill_graph_tokens,
                                                     self.max_model_len, scratch_block=num_blocks)
+            if cfg.mixed_graph_tokens > 0 and not cfg.deterministic:
+                tokens = min(cfg.mixed_graph_tokens, cfg.max_num_batched_tokens)
+                self.mixed_graphs = MixedGraphs(self.model, self.kv_cache, tokens,
+                                                scratch_block=num_blocks)
             if cfg.graphs_at_start:
                 self.capture_graphs()
         log.info("KV pool: %d blocks of %d tokens = %d tokens (%s, %.2f GiB)", num_blocks,
@@ -191,9 +196,10 @@ class ModelRunner:
                  self.kv_cache.nbytes / 2**30)
 
     def capture_graphs(self) -> None:
-        """Every bucket's decode and prefill graph, captured now."""
+        """Every bucket's decode, prefill and mixed-step graphs, captured now."""
         t0 = time.perf_counter()
-        held = [g for g in (self.graphs, self.prefill_graphs) if g is not None]
+        held = [g for g in (self.graphs, self.prefill_graphs, self.mixed_graphs)
+                if g is not None]
         for graphs in held:
             graphs.capture_all()
         log.info("CUDA graphs: %d captured in %.1f s", sum(g.captured for g in held),
@@ -303,8 +309,9 @@ class ModelRunner:
         if self.graphs is None:
             return
         self.graphs.release()
-        if self.prefill_graphs is not None:  # only beside decode graphs
-            self.prefill_graphs.release()
+        for graphs in (self.prefill_graphs, self.mixed_graphs):  # only beside decode graphs
+            if graphs is not None:
+                graphs.release()
         torch.cuda.synchronize(self.device)
 
     def close(self) -> None:
@@ -313,7 +320,8 @@ class ModelRunner:
         if self.model is None:
             return
         self.release_graphs()
-        self.graphs = self.prefill_graphs = self.kv_cache = self.model = None
+        self.graphs = self.prefill_graphs = self.mixed_graphs = None
+        self.kv_cache = self.model = None
         self.host_kv = self.host_scales = None
         self._token_buffers = []
         self._last_sampled = None  # the last step's tokens, kept for the next step
@@ -355,6 +363,8 @@ class ModelRunner:
             picked = to_device(ends[:count], torch.long, self.device)
         else:
             picked = to_device(ends[list(rows)] if rows else ends[:1], torch.long, self.device)
+        if self.mixed_graphs is not None and self.mixed_graphs.fits(len(step.ids)):
+            return self.mixed_graphs.run(input_ids, batch, picked)
         return self.model.forward(input_ids, batch, self.kv_cache, picked)
 
     def follow(self, step: StepInputs) -> None:

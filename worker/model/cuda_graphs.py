@@ -1,4 +1,5 @@
-"""CUDA graphs for decode steps and for a lone sequence's short prefill.
+"""CUDA graphs for decode steps, for a lone sequence's short prefill, and
+pieces of any other step between its attention launches (MixedGraphs).
 
 A step launches a few hundred small kernels; replaying them as one captured
 graph removes the per-launch host cost that otherwise dominates at small
@@ -397,3 +398,126 @@ class PrefillGraphs(_Graphs):
         d = self.inputs.device
         return self.model.forward(d["input_ids"][:bucket], batch, self.kv_cache, d["logits_row"],
                                   out)
+
+
+class MixedGraphs:
+    """Steps no other graph takes (prefill chunks beside decode rows, several
+    prompts at once) of up to max_tokens new tokens, as captured pieces by
+    token bucket: the embedding and layer 0's attention input, then per layer
+    what follows its attention up to the next layer's attention input
+    (LlamaModel.after_attention). Attention itself runs between the replays,
+    launched as usual over the step's real rows: its plan depends on the
+    step's sequences, the pieces only on the token count. A step then costs
+    the host 2 launches a layer instead of a dozen.
+
+    The pieces read and write static buffers (ids, positions, slots, the
+    residual stream, the queries, attention's output); rows past the step's
+    tokens are padding that writes the scratch block, and no real row reads
+    them (no product mixes rows; attention only reads the real rows). As
+    PrefillGraphs, not bit-identical to the eager forward (the products run
+    on the padded row count), so not in deterministic mode."""
+
+    def __init__(self, model: LlamaModel, kv_cache: PagedKVCache, max_tokens: int,
+                 scratch_block: int):
+        self.model = model
+        self.kv_cache = kv_cache
+        self.buckets = prefill_buckets(max_tokens)
+        self.scratch_slot = scratch_block * kv_cache.block_size
+        n, dev, cfg = self.buckets[-1], model.device, model.config
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.slot_mapping = torch.full((n,), self.scratch_slot, dtype=torch.int64, device=dev)
+        self.residual = torch.zeros((n, cfg.hidden_size), dtype=model.dtype, device=dev)
+        heads = (model.num_heads, cfg.head_dim)
+        self.q = torch.zeros((n, *heads), dtype=model.dtype, device=dev)
+        self.attn = torch.zeros((n, *heads), dtype=model.dtype, device=dev)
+        self._graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
+        self._pool = None  # the pieces' memory pool, made at the first capture
+        self.capture_seconds = 0.0
+        self.replays = 0
+
+    @property
+    def captured(self) -> int:
+        return sum(len(pieces) for pieces in self._graphs.values())
+
+    def fits(self, num_tokens: int) -> bool:
+        return bool(self.buckets) and 0 < num_tokens <= self.buckets[-1]
+
+    def release(self) -> None:
+        self._graphs.clear()
+        self._pool = None
+
+    def capture_all(self) -> None:
+        for bucket in reversed(self.buckets):  # the largest first: its memory serves the rest
+            self._pieces(bucket)
+
+    @torch.inference_mode()
+    def run(self, input_ids: torch.Tensor, batch: AttentionBatch,
+            logits_indices: torch.Tensor) -> torch.Tensor:
+        """The step's forward: input_ids [T] and batch as model.forward takes
+        them; float32 logits of the rows in logits_indices."""
+        t = input_ids.shape[0]
+        bucket = self.buckets[bisect.bisect_left(self.buckets, t)]
+        pieces = self._pieces(bucket)  # a capture, if any, before the inputs are in place
+        self.input_ids[:t].copy_(input_ids)
+        self.positions[:t].copy_(batch.positions)
+        self.slot_mapping[:t].copy_(batch.slot_mapping)
+        self.slot_mapping[t:bucket].fill_(self.scratch_slot)
+        model, q, attn = self.model, self.q[:t], self.attn[:t]
+        pieces[0].replay()
+        for i, layer_kv in enumerate(self.kv_cache.layers):
+            out = model.ops.paged_attention(q, layer_kv, batch, model.scale, out=attn)
+            if out.data_ptr() != attn.data_ptr():
+                attn.copy_(out)
+            pieces[i + 1].replay()
+        self.replays += 1
+        return model.logits(self.residual[:t], logits_indices)
+
+    def _piece(self, bucket: int, i: int) -> None:
+        """Piece i of a bucket's step: i = 0 the embedding and layer 0's
+        attention input, i > 0 layer i - 1's after_attention."""
+        model, kv = self.model, self.kv_cache
+        residual, q = self.residual[:bucket], self.q[:bucket]
+        positions, slots = self.positions[:bucket], self.slot_mapping[:bucket]
+        if i == 0:
+            torch.index_select(model.embed, 0, self.input_ids[:bucket], out=residual)
+            out = model.attention_input(0, residual, positions, slots, kv, out=q)
+        else:
+            out = model.after_attention(i - 1, residual, self.attn[:bucket], positions, slots,
+                                        kv, q_out=q)
+        if out is not None and out.data_ptr() != q.data_ptr():
+            q.copy_(out)
+
+    def _pieces(self, bucket: int) -> list[torch.cuda.CUDAGraph]:
+        pieces = self._graphs.get(bucket)
+        if pieces is None:
+            t0 = time.perf_counter()
+            # Captured over padding only: every row writes the scratch block.
+            self.slot_mapping[:bucket].fill_(self.scratch_slot)
+            pieces = self._graphs[bucket] = self._capture(bucket)
+            self.capture_seconds += time.perf_counter() - t0
+        return pieces
+
+    @torch.inference_mode()
+    def _capture(self, bucket: int) -> list[torch.cuda.CUDAGraph]:
+        """The bucket's pieces, each warmed up on a side stream (lazy
+        allocations, cuBLAS handles), then captured, all into one pool: a
+        piece's temporaries are dead once it ends, and its outputs are the
+        static buffers."""
+        dev = self.model.device
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        count = len(self.kv_cache.layers) + 1
+        stream = torch.cuda.Stream(dev)
+        stream.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(stream):
+            for i in range(count):
+                self._piece(bucket, i)
+        torch.cuda.current_stream(dev).wait_stream(stream)
+        pieces = []
+        for i in range(count):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                self._piece(bucket, i)
+            pieces.append(graph)
+        return pieces

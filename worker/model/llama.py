@@ -111,24 +111,50 @@ class LlamaModel:
         (indices, or a slice such as slice(None) for every row; default: the
         last new token of every sequence), [N, vocab]; written into `out`
         where given (a float32 [N, vocab] buffer)."""
-        cfg, ops = self.config, self.ops
-        t = input_ids.shape[0]
         # The residual stream, updated in place by the o and down projections;
         # each norm is fused into the projection that reads it.
         residual = self.embed[input_ids]
-        eps = cfg.rms_norm_eps
-        for layer, layer_kv in zip(self.layers, kv.layers):
-            # norm, qkv projection, rotary, k and v into the pool
-            q = ops.qkv_rotary_write_kv(residual, layer["qkv"], (layer["attn_norm"], eps),
-                                        batch.positions, self.cos_sin, layer_kv,
-                                        batch.slot_mapping, self.num_heads)
-            attn = ops.paged_attention(q, layer_kv, batch, self.scale)
-            self._project_into(residual, attn.reshape(t, -1), layer["o"])
-            act = ops.linear(residual, layer["gate_up"], norm=(layer["mlp_norm"], eps), silu=True)
-            self._project_into(residual, act, layer["down"])
+        q = self.attention_input(0, residual, batch.positions, batch.slot_mapping, kv)
+        for i, layer_kv in enumerate(kv.layers):
+            attn = self.ops.paged_attention(q, layer_kv, batch, self.scale)
+            q = self.after_attention(i, residual, attn, batch.positions, batch.slot_mapping, kv)
         if logits_indices is None:
             logits_indices = (batch.cu_q_lens[1:] - 1).long()
-        logits = ops.linear(residual[logits_indices], self.lm_head, norm=(self.norm, eps))
+        return self.logits(residual, logits_indices, out)
+
+    # The forward's pieces between attentions (cuda_graphs.MixedGraphs
+    # captures them, attention running between their replays).
+    def attention_input(self, i: int, residual: torch.Tensor, positions: torch.Tensor,
+                        slot_mapping: torch.Tensor, kv: PagedKVCache,
+                        out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Layer i's norm, qkv projection and rotary, its k and v written
+        into the pool: its queries [T, heads, head_dim] (in `out` where the
+        backend takes one)."""
+        layer = self.layers[i]
+        extra = {} if out is None else {"out": out}
+        return self.ops.qkv_rotary_write_kv(residual, layer["qkv"],
+                                            (layer["attn_norm"], self.config.rms_norm_eps),
+                                            positions, self.cos_sin, kv.layers[i], slot_mapping,
+                                            self.num_heads, **extra)
+
+    def after_attention(self, i: int, residual: torch.Tensor, attn: torch.Tensor,
+                        positions: torch.Tensor, slot_mapping: torch.Tensor, kv: PagedKVCache,
+                        q_out: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+        """Layer i's o projection and MLP added into `residual`, then layer
+        i + 1's attention_input (None after the last layer)."""
+        layer, eps = self.layers[i], self.config.rms_norm_eps
+        self._project_into(residual, attn.reshape(residual.shape[0], -1), layer["o"])
+        act = self.ops.linear(residual, layer["gate_up"], norm=(layer["mlp_norm"], eps), silu=True)
+        self._project_into(residual, act, layer["down"])
+        if i + 1 == len(self.layers):
+            return None
+        return self.attention_input(i + 1, residual, positions, slot_mapping, kv, q_out)
+
+    def logits(self, residual: torch.Tensor, logits_indices: torch.Tensor | slice,
+               out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """float32 logits of the final norm of residual[logits_indices] (in `out` where given)."""
+        logits = self.ops.linear(residual[logits_indices], self.lm_head,
+                                 norm=(self.norm, self.config.rms_norm_eps))
         if self.gather_logits:
             logits = self.tp.all_gather_columns(logits)
         return logits.float() if out is None else out.copy_(logits)

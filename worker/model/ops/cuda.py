@@ -424,7 +424,8 @@ def qkv_rotary_write_kv(x: torch.Tensor, weight: torch.Tensor, norm: tuple[torch
         qkv = linear(x, weight, norm=norm)
         q, k, v = qkv.split([num_heads * d, nkv * d, nkv * d], dim=-1)
         return rotary_write_kv(q.reshape(t, num_heads, d), k.reshape(t, nkv, d),
-                               v.reshape(t, nkv, d), positions, cos_sin, kv, slot_mapping)
+                               v.reshape(t, nkv, d), positions, cos_sin, kv, slot_mapping,
+                               q_out=out)
     positions = positions.to(torch.int64).contiguous()
     slots = slot_mapping.to(torch.int64).contiguous()
     if out is None:
@@ -739,7 +740,7 @@ def paged_attention(q: torch.Tensor, kv: LayerKV, batch: AttentionBatch, scale: 
     blocks fit the GPU at two an SM (the same bits; its registers allow two
     blocks an SM, not three, which a full batch's launch would lose)."""
     if not _attention_native(q, kv) or q.shape[0] == 0:
-        return reference.paged_attention(q, kv, batch, scale)
+        return reference.paged_attention(q, kv, batch, scale, out=out)
     t, nh, d = q.shape
     nkv = kv.k.shape[1]
     if q.stride(2) != 1 or not _aligned(q, q.stride(0), q.stride(1)):

@@ -47,15 +47,17 @@ def rotary_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
 
 def qkv_rotary_write_kv(x: torch.Tensor, weight: torch.Tensor, norm: tuple[torch.Tensor, float],
                         positions: torch.Tensor, cos_sin: torch.Tensor, kv: LayerKV,
-                        slot_mapping: torch.Tensor, num_heads: int) -> torch.Tensor:
+                        slot_mapping: torch.Tensor, num_heads: int, *,
+                        out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The attention input of a decoder layer: the qkv projection of
     rms_norm(x), rotary on q and k, k and v into the pool. Returns the
-    rotated q [T, num_heads, head_dim]."""
+    rotated q [T, num_heads, head_dim] (in `out` where given)."""
     t, (nkv, d) = x.shape[0], kv.k.shape[1::2]
     qkv = linear(x, weight, norm=norm)
     q, k, v = qkv.split([num_heads * d, nkv * d, nkv * d], dim=-1)
-    return rotary_write_kv(q.reshape(t, num_heads, d), k.reshape(t, nkv, d),
-                           v.reshape(t, nkv, d), positions, cos_sin, kv, slot_mapping)
+    q = rotary_write_kv(q.reshape(t, num_heads, d), k.reshape(t, nkv, d),
+                        v.reshape(t, nkv, d), positions, cos_sin, kv, slot_mapping)
+    return q if out is None else out.copy_(q)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, *,
@@ -138,11 +140,12 @@ def _gather(cache: torch.Tensor, scales: torch.Tensor | None, blocks: torch.Tens
 
 
 def paged_attention(q: torch.Tensor, kv: LayerKV, batch: AttentionBatch,
-                    scale: float) -> torch.Tensor:
+                    scale: float, *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Causal attention of each sequence's new queries over its whole context,
-    read through its block table. q: [T, nh, d] -> [T, nh, d].
-    The new queries of a sequence sit at the end of its context (Q shorter than K)."""
-    out = torch.empty_like(q)
+    read through its block table. q: [T, nh, d] -> [T, nh, d] (into `out`
+    where given). The new queries of a sequence sit at the end of its
+    context (Q shorter than K)."""
+    out = torch.empty_like(q) if out is None else out
     decode_rows = [s for s, n in enumerate(batch.q_lens_host) if n == 1]
     if decode_rows:
         _decode_attention(q, kv, batch, scale, decode_rows, out)

@@ -1,7 +1,7 @@
 """Mixed-step graphs against eager mixed steps, offline, in one run: a
 Llama-3-8B-shaped model with random weights serves ShareGPT-like requests
-(benchmarks/gpu_engine.py) with `mixed_graph_tokens` 0 (steps with prefill
-launched op by op) and 2048 (the default: their pieces replayed between the
+(benchmarks/gpu_engine.py) with `mixed_graph_tokens` 0 (the default: steps
+with prefill launched op by op) and 2048 (their pieces replayed between the
 layers' attention launches), per mode (bf16, and FP8 with the 8-bit KV cache
 by default), each step's GPU span and host launch time recorded.
 

@@ -162,7 +162,9 @@ def write_report(out: Path, r: dict) -> None:
             f"(`BENCH=tensor_parallel bash benchmarks/run_gpu.sh`). Decode: batch 1, prompt 128, "
             f"256 new tokens. Offline: {r['requests']} ShareGPT-like requests (ignore EOS), "
             f"up to the batch column at once, up to {r['step_tokens']} tokens a step. "
-            f"CUDA graphs throughout. All rows from one run.",
+            f"CUDA graphs throughout"
+            + (f", mixed-step graphs up to {r['mixed_graph_tokens']} tokens"
+               if r.get("mixed_graph_tokens") else "") + ". All rows from one run.",
             "",
             "| engine | decode tok/s (batch 1) | vs 1 GPU | TTFT ms, median / min | offline output tok/s "
             "| vs 1 GPU | host waiting | batch | KV pool tokens | load s |",
@@ -215,6 +217,8 @@ def main() -> None:
                     help="time each offline step's span on rank 0's stream, by kind of step")
     ap.add_argument("--lazy-graphs", action="store_true",
                     help="capture each graph on its first use, not when the engine starts")
+    ap.add_argument("--mixed-graph-tokens", type=int, default=0,
+                    help="EngineConfig.mixed_graph_tokens of every engine (0: eager steps with prefill)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if torch.cuda.device_count() < 2:
@@ -222,7 +226,7 @@ def main() -> None:
     work = sharegpt_like(args.requests)
     results = {"device": torch.cuda.get_device_name(), "gpus": 2, "requests": args.requests,
                "step_tokens": args.step_tokens, "graphs_at_start": not args.lazy_graphs,
-               "cases": {}}
+               "mixed_graph_tokens": args.mixed_graph_tokens, "cases": {}}
     with tempfile.TemporaryDirectory(prefix="turbomq-tp-") as tmp:
         path = str(args.checkpoint or tmp)
         if not (args.checkpoint and args.checkpoint.exists()):
@@ -234,6 +238,7 @@ def main() -> None:
             batch *= args.max_batch_size
             slug = "".join(c if c.isalnum() else "_" for c in name.lower())
             profile_to = args.out / f"tp_profile_{slug}.txt" if args.profile else None
+            case = {**case, "mixed_graph_tokens": args.mixed_graph_tokens}
             results["cases"][name] = {"max_batch_size": batch,
                                       **measure(path, case, work, batch, profile_to,
                                                 args.step_tokens, args.spans,

@@ -253,7 +253,7 @@ def test_graphs_captured_at_start_answer_like_graphs_captured_on_first_use(tmp_p
     for at_start in (False, True):
         with Engine(EngineConfig(model=path, device="cuda", dtype="bf16", max_batch_size=8,
                                  block_size=64, max_model_len=1024, host_kv_blocks=0,
-                                 graphs_at_start=at_start)) as eng:
+                                 mixed_graph_tokens=2048, graphs_at_start=at_start)) as eng:
             decode, prefill, mixed = (eng.runner.graphs, eng.runner.prefill_graphs,
                                       eng.runner.mixed_graphs)
             held = (decode.captured, prefill.captured, mixed.captured)

@@ -72,6 +72,44 @@ def test_graph_decode_equals_eager(tmp_path, head_dim, kv_dtype):
     assert same == len(batch), f"{same}/{len(batch)} sequences identical"
 
 
+def assert_part_late(eager: list, graphed: list, length: int) -> None:
+    """Greedy runs of graphs that pad their rows against eager ones: all but
+    one sequence agree on at least their first 8 tokens (bf16 products on
+    padded rows round differently, so a sequence may part late)."""
+    first = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), length)
+             for x, y in zip(eager, graphed)]
+    print("first divergence per sequence:", first)
+    assert sum(f >= 8 for f in first) >= len(first) - 1
+
+
+def model_and_two_pools(tmp_path, quantization, kv_dtype: str, width: int, block: int):
+    """A tiny bf16 model on the GPU (FP8 weights with `quantization`) and two
+    KV pools of width blocks plus a scratch one: one for the eager forward,
+    one for the graphs under test."""
+    from turbomq.worker.model.kv_cache import PagedKVCache, resolve_kv_dtype
+    from turbomq.worker.model.llama import LlamaModel
+    from turbomq.worker.model.weights import load_checkpoint
+
+    ckpt = load_checkpoint(tiny_model(tmp_path, 128, 2))
+    model = LlamaModel(ckpt.config, ckpt.tensors, "cuda", torch.bfloat16,
+                       quantization=quantization)
+    cfg = model.config
+    kv_type = resolve_kv_dtype(kv_dtype, model.dtype)
+    return model, [PagedKVCache(cfg.num_layers, width + 1, block, model.num_kv_heads,
+                                cfg.head_dim, kv_type, "cuda") for _ in range(2)]
+
+
+def assert_same_kv(pools, blocks: torch.Tensor, tol: float) -> None:
+    """Both pools hold the same K and V in `blocks` (INT8: the values the
+    codes stand for), within tol of each tensor's largest value, twice."""
+    for a, b in zip(pools[0].layers, pools[1].layers):
+        for x, y, sx, sy in ((a.k, b.k, a.k_scale, b.k_scale), (a.v, b.v, a.v_scale, b.v_scale)):
+            x, y = x[blocks].float(), y[blocks].float()
+            if sx is not None:
+                x, y = x * sx[blocks][..., None], y * sy[blocks][..., None]
+            torch.testing.assert_close(y, x, rtol=0, atol=2 * tol * x.abs().max().item())
+
+
 @pytest.mark.parametrize("quantization", [None, "fp8"])
 @pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
 def test_prefill_graph_gives_the_eager_logits_and_kv(tmp_path, kv_dtype, quantization):
@@ -86,18 +124,11 @@ def test_prefill_graph_gives_the_eager_logits_and_kv(tmp_path, kv_dtype, quantiz
     import numpy as np
 
     from turbomq.worker.model.cuda_graphs import PrefillGraphs
-    from turbomq.worker.model.kv_cache import PagedKVCache, resolve_kv_dtype
-    from turbomq.worker.model.llama import LlamaModel
     from turbomq.worker.model.ops import AttentionBatch
-    from turbomq.worker.model.weights import load_checkpoint
 
-    ckpt = load_checkpoint(tiny_model(tmp_path, 128, 2))
-    model = LlamaModel(ckpt.config, ckpt.tensors, "cuda", torch.bfloat16,
-                       quantization=quantization)
-    cfg, bs, width = model.config, 16, 64
-    kv_type = resolve_kv_dtype(kv_dtype, model.dtype)
-    pools = [PagedKVCache(cfg.num_layers, width + 1, bs, model.num_kv_heads, cfg.head_dim,
-                          kv_type, "cuda") for _ in range(2)]
+    bs, width = 16, 64
+    model, pools = model_and_two_pools(tmp_path, quantization, kv_dtype, width, bs)
+    cfg = model.config
     graphs = PrefillGraphs(model, pools[1], 512, 1024, scratch_block=width)
     rng = np.random.default_rng(0)
     for history, new in [(0, 5), (0, 16), (0, 100), (37, 2), (37, 64), (300, 33), (300, 200),
@@ -117,12 +148,7 @@ def test_prefill_graph_gives_the_eager_logits_and_kv(tmp_path, kv_dtype, quantiz
         torch.testing.assert_close(got, want, rtol=tol, atol=tol * want.abs().max().item())
         assert got.argmax().item() == want.argmax().item()
         blocks = torch.from_numpy(table[0, :used]).long().cuda()
-        for a, b in zip(pools[0].layers, pools[1].layers):
-            for x, y, sx, sy in ((a.k, b.k, a.k_scale, b.k_scale), (a.v, b.v, a.v_scale, b.v_scale)):
-                x, y = x[blocks].float(), y[blocks].float()
-                if sx is not None:  # INT8: compare the values the codes stand for
-                    x, y = x * sx[blocks][..., None], y * sy[blocks][..., None]
-                torch.testing.assert_close(y, x, rtol=0, atol=2 * tol * x.abs().max().item())
+        assert_same_kv(pools, blocks, tol)
     assert graphs.replays == 8
     assert graphs.captured == 6  # (token, context) buckets: 16, 112, 64, 48, 224 (1024), 160
 
@@ -139,18 +165,11 @@ def test_mixed_graphs_give_the_eager_logits_and_kv(tmp_path, kv_dtype, quantizat
     import numpy as np
 
     from turbomq.worker.model.cuda_graphs import MixedGraphs
-    from turbomq.worker.model.kv_cache import PagedKVCache, resolve_kv_dtype
-    from turbomq.worker.model.llama import LlamaModel
     from turbomq.worker.model.ops import AttentionBatch
-    from turbomq.worker.model.weights import load_checkpoint
 
-    ckpt = load_checkpoint(tiny_model(tmp_path, 128, 2))
-    model = LlamaModel(ckpt.config, ckpt.tensors, "cuda", torch.bfloat16,
-                       quantization=quantization)
-    cfg, bs, width = model.config, 16, 64
-    kv_type = resolve_kv_dtype(kv_dtype, model.dtype)
-    pools = [PagedKVCache(cfg.num_layers, width + 1, bs, model.num_kv_heads, cfg.head_dim,
-                          kv_type, "cuda") for _ in range(2)]
+    bs, width = 16, 64
+    model, pools = model_and_two_pools(tmp_path, quantization, kv_dtype, width, bs)
+    cfg = model.config
     graphs = MixedGraphs(model, pools[1], 512, scratch_block=width)
     rng = np.random.default_rng(1)
     steps = [[(0, 5), (0, 11)],  # 16 tokens: a bucket's edge
@@ -182,12 +201,7 @@ def test_mixed_graphs_give_the_eager_logits_and_kv(tmp_path, kv_dtype, quantizat
         torch.testing.assert_close(got, want, rtol=tol, atol=tol * want.abs().max().item())
         assert torch.equal(got.argmax(-1), want.argmax(-1))
         blocks = torch.from_numpy(order[:sum(used)]).long().cuda()
-        for a, b in zip(pools[0].layers, pools[1].layers):
-            for x, y, sx, sy in ((a.k, b.k, a.k_scale, b.k_scale), (a.v, b.v, a.v_scale, b.v_scale)):
-                x, y = x[blocks].float(), y[blocks].float()
-                if sx is not None:  # INT8: compare the values the codes stand for
-                    x, y = x * sx[blocks][..., None], y * sy[blocks][..., None]
-                torch.testing.assert_close(y, x, rtol=0, atol=2 * tol * x.abs().max().item())
+        assert_same_kv(pools, blocks, tol)
     assert graphs.replays == 4
     assert graphs.captured == 3 * (cfg.num_layers + 1)  # buckets 16, 96, 320
 
@@ -209,10 +223,7 @@ def test_engine_mixed_graphs_answer_like_eager(tmp_path):
             graphs = eng.runner.mixed_graphs
             replays[tokens] = 0 if graphs is None else graphs.replays
     assert replays[0] == 0 and replays[2048] >= 5
-    first = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), 24)
-             for x, y in zip(runs[0], runs[2048])]
-    print("first divergence per sequence:", first)
-    assert sum(f >= 8 for f in first) >= len(first) - 1
+    assert_part_late(runs[0], runs[2048], 24)
 
 
 def test_engine_prefill_graphs_answer_like_eager(tmp_path):
@@ -235,10 +246,7 @@ def test_engine_prefill_graphs_answer_like_eager(tmp_path):
             graphs = eng.runner.prefill_graphs
             replays[tokens] = 0 if graphs is None else graphs.replays
     assert replays[0] == 0 and replays[512] >= 12
-    first = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), 24)
-             for x, y in zip(runs[0], runs[512])]
-    print("first divergence per sequence:", first)
-    assert sum(f >= 8 for f in first) >= len(first) - 1
+    assert_part_late(runs[0], runs[512], 24)
 
 
 def test_graphs_captured_at_start_answer_like_graphs_captured_on_first_use(tmp_path):

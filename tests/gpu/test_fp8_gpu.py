@@ -103,10 +103,11 @@ def test_fp8_gemv_row_does_not_depend_on_the_rows_beside_it(n, k):
         assert torch.equal(cuda_ops.linear(x[:rows], w), alone[:rows])
 
 
-@pytest.mark.parametrize("rows", [1, 4])
-@pytest.mark.parametrize("mode", ["norm", "silu", "residual"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_fp8_gemv_fused_forms_equal_the_gemm_path(rows, mode, dtype, monkeypatch):
+def fp8_linear_case(rows: int, mode: str, dtype: torch.dtype):
+    """x [rows, 4096], an FP8 weight of 2048 outputs (twice that, gate and
+    up, for "silu"), and a function that gives linear()'s keywords for `mode`
+    ("norm", "silu": the norm fused in front; "residual": added into a fresh
+    copy of one)."""
     g = torch.Generator(device="cuda").manual_seed(rows)
     k, n = 4096, 2048
     x = torch.randn(rows, k, generator=g, device="cuda", dtype=dtype)
@@ -114,13 +115,18 @@ def test_fp8_gemv_fused_forms_equal_the_gemm_path(rows, mode, dtype, monkeypatch
                                     device="cuda") * 0.02)
     norm = (torch.rand(k, generator=g, device="cuda", dtype=dtype) + 0.5, 1e-5)
     res = torch.randn(rows, n, generator=g, device="cuda", dtype=dtype)
-    kw = {"norm": dict(norm=norm), "silu": dict(norm=norm, silu=True),
-          "residual": dict(residual=res.clone())}[mode]
-    got = cuda_ops.linear(x, w, **kw)
+    return x, w, lambda: {"norm": dict(norm=norm), "silu": dict(norm=norm, silu=True),
+                          "residual": dict(residual=res.clone())}[mode]
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+@pytest.mark.parametrize("mode", ["norm", "silu", "residual"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fp8_gemv_fused_forms_equal_the_gemm_path(rows, mode, dtype, monkeypatch):
+    x, w, keywords = fp8_linear_case(rows, mode, dtype)
+    got = cuda_ops.linear(x, w, **keywords())
     monkeypatch.setattr(cuda_ops, "FP8_GEMV_MAX_ROWS", 0)  # quantize_fp8 + _scaled_mm + kernels
-    kw = {"norm": dict(norm=norm), "silu": dict(norm=norm, silu=True),
-          "residual": dict(residual=res.clone())}[mode]
-    want = cuda_ops.linear(x, w, **kw)
+    want = cuda_ops.linear(x, w, **keywords())
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2,
                                atol=2e-2 * want.float().abs().max().item())
 
@@ -148,7 +154,7 @@ def test_fp8_gemv_qkv_rotary_write_kv_equals_the_unfused_ops(rows, monkeypatch):
 
 
 @pytest.mark.parametrize("rows", [5, 64, 256])
-@pytest.mark.parametrize("mode", ["store", "silu", "residual"])
+@pytest.mark.parametrize("mode", ["norm", "silu", "residual"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_fp8_per_tensor_product_scaled_after_equals_the_row_wise_path(rows, mode, dtype,
                                                                       monkeypatch):
@@ -156,22 +162,14 @@ def test_fp8_per_tensor_product_scaled_after_equals_the_row_wise_path(rows, mode
     channel scales and the epilogue in one launch after it. The same numbers
     as the row-wise epilogue but for the order of fp32 roundings: at most a
     rounding step of the output apart."""
-    g = torch.Generator(device="cuda").manual_seed(rows)
-    k, n = 4096, 2048
-    x = torch.randn(rows, k, generator=g, device="cuda", dtype=dtype)
-    w = quantize_weight(torch.randn(2 * n if mode == "silu" else n, k, generator=g,
-                                    device="cuda") * 0.02)
-    norm = (torch.rand(k, generator=g, device="cuda", dtype=dtype) + 0.5, 1e-5)
-    res = torch.randn(rows, n, generator=g, device="cuda", dtype=dtype)
+    x, w, keywords = fp8_linear_case(rows, mode, dtype)
 
     def run(tensorwise_rows: int) -> torch.Tensor:
         monkeypatch.setattr(cuda_ops, "FP8_TENSORWISE_MAX_ROWS", tensorwise_rows)
-        kw = {"store": dict(norm=norm), "silu": dict(norm=norm, silu=True),
-              "residual": dict(residual=res.clone())}[mode]
-        return cuda_ops.linear(x, w, **kw)
+        return cuda_ops.linear(x, w, **keywords())
 
     want, got = run(0), run(256)
-    assert got.dtype == dtype and got.shape == want.shape == (rows, n)
+    assert got.dtype == dtype and got.shape == want.shape == (rows, 2048)
     torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7,
                                atol=2 ** -7 * want.float().abs().max().item())
 

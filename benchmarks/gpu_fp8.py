@@ -13,6 +13,7 @@ profile of one eager 128-token prefill per mode shows where the time to
 first token goes.
 
     python benchmarks/gpu_fp8.py --out DIR [--requests 1000] [--modes NAME ...] [--spans]
+        [--mixed-graph-tokens N]
 
 Writes fp8.md, fp8.json and fp8_prefill_profile.txt into DIR (copy them to
 docs/benchmarks/)."""
@@ -103,12 +104,14 @@ def main() -> None:
                         help="the modes to run (bf16 always runs first)")
         ap.add_argument("--spans", action="store_true",
                         help="time each offline step's GPU span and the host's launch (StepSpans)")
+        ap.add_argument("--mixed-graph-tokens", type=int, default=0,
+                        help="EngineConfig.mixed_graph_tokens of every mode's engine")
 
     args = ab_arguments(__doc__.split("\n\n")[0], more)
     cfg = LLAMA3_8B
     work = sharegpt_like(args.requests)
     results = {"device": torch.cuda.get_device_name(), "requests": args.requests,
-               "ceilings": ceilings(), "modes": {}}
+               "mixed_graph_tokens": args.mixed_graph_tokens, "ceilings": ceilings(), "modes": {}}
     profiles = []
     names = ["bf16"] + [m for m in args.modes if m != "bf16"]
     for name in names:
@@ -117,7 +120,8 @@ def main() -> None:
         model = LlamaModel(cfg, tensors, "cuda", torch.bfloat16, quantization=quant)
         del tensors  # an FP8 model holds its own copies of what it quantized
         gc.collect()
-        engine = ab_engine(model, args.max_batch_size, quantization=quant, kv_dtype=kv_dtype)
+        engine = ab_engine(model, args.max_batch_size, quantization=quant, kv_dtype=kv_dtype,
+                           mixed_graph_tokens=args.mixed_graph_tokens)
         r = speeds(engine, cfg, results["ceilings"], work if args.requests else [], name,
                    args.spans)
         results["modes"][name] = r
@@ -137,7 +141,9 @@ def main() -> None:
     modes = results["modes"]
     lines = ["# FP8 weights against bf16", "",
              f"{results['device']}; Llama-3-8B shape, random weights, greedy; one run: "
-             f"`python benchmarks/gpu_fp8.py --out DIR --requests {args.requests}`. "
+             f"`python benchmarks/gpu_fp8.py --out DIR --requests {args.requests}"
+             + (f" --mixed-graph-tokens {args.mixed_graph_tokens}" if args.mixed_graph_tokens
+                else "") + "`. "
              "Each mode against bf16 with the bf16 KV cache; the FP8 mode with the 8-bit KV "
              "cache also against bf16 with it."]
     pairs = [("bf16", m) for m in names[1:]]

@@ -74,6 +74,18 @@ def context_buckets(max_model_len: int) -> list[int]:
                    for k in range(max(max_model_len, 1).bit_length() + 1)})
 
 
+def warmed_up(device: torch.device, run):
+    """run() once on a side stream, ordered after the current stream's work
+    and before its next: what a capture needs done first (lazy allocations,
+    cuBLAS handles). Returns its result."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        result = run()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    return result
+
+
 class GraphInputs:
     """A graph's per-step inputs in one device byte buffer (every field
     16-byte aligned), filled from one of two pinned host buffers that take
@@ -169,12 +181,7 @@ class _Graphs(abc.ABC):
         # Every tensor a graph reads must outlive it: the batch (its tile
         # lists) is kept with the graph.
         batch = self._batch(rows, context)
-        # warm up on a side stream (lazy allocations, cuBLAS handles), then capture
-        stream = torch.cuda.Stream(self.model.device)
-        stream.wait_stream(torch.cuda.current_stream(self.model.device))
-        with torch.cuda.stream(stream):
-            warm = self._forward(rows, batch, None)
-        torch.cuda.current_stream(self.model.device).wait_stream(stream)
+        warm = warmed_up(self.model.device, lambda: self._forward(rows, batch, None))
         if self.logits is None:
             self.logits = torch.empty((self._logit_rows, warm.shape[1]), dtype=warm.dtype,
                                       device=warm.device)
@@ -466,9 +473,7 @@ class MixedGraphs:
         model, q, attn = self.model, self.q[:t], self.attn[:t]
         pieces[0].replay()
         for i, layer_kv in enumerate(self.kv_cache.layers):
-            out = model.ops.paged_attention(q, layer_kv, batch, model.scale, out=attn)
-            if out.data_ptr() != attn.data_ptr():
-                attn.copy_(out)
+            model.ops.paged_attention(q, layer_kv, batch, model.scale, out=attn)
             pieces[i + 1].replay()
         self.replays += 1
         return model.logits(self.residual[:t], logits_indices)
@@ -481,12 +486,10 @@ class MixedGraphs:
         positions, slots = self.positions[:bucket], self.slot_mapping[:bucket]
         if i == 0:
             torch.index_select(model.embed, 0, self.input_ids[:bucket], out=residual)
-            out = model.attention_input(0, residual, positions, slots, kv, out=q)
+            model.attention_input(0, residual, positions, slots, kv, out=q)
         else:
-            out = model.after_attention(i - 1, residual, self.attn[:bucket], positions, slots,
-                                        kv, q_out=q)
-        if out is not None and out.data_ptr() != q.data_ptr():
-            q.copy_(out)
+            model.after_attention(i - 1, residual, self.attn[:bucket], positions, slots, kv,
+                                  q_out=q)
 
     def _pieces(self, bucket: int) -> list[torch.cuda.CUDAGraph]:
         pieces = self._graphs.get(bucket)
@@ -508,12 +511,7 @@ class MixedGraphs:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         count = len(self.kv_cache.layers) + 1
-        stream = torch.cuda.Stream(dev)
-        stream.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(stream):
-            for i in range(count):
-                self._piece(bucket, i)
-        torch.cuda.current_stream(dev).wait_stream(stream)
+        warmed_up(dev, lambda: [self._piece(bucket, i) for i in range(count)])
         pieces = []
         for i in range(count):
             graph = torch.cuda.CUDAGraph()

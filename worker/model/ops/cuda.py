@@ -276,8 +276,9 @@ def write_kv(kv: LayerKV, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.
 def rotary_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                     cos_sin: torch.Tensor, kv: LayerKV, slot_mapping: torch.Tensor, *,
                     q_out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """As reference.rotary_write_kv, in one launch; inputs that kernel does not
-    cover go through rotary() then write_kv()."""
+    """As reference.rotary_write_kv, in one launch, the rotated q in q_out
+    where given; inputs that kernel does not cover go through rotary() then
+    write_kv()."""
     t, nh, d = q.shape
     nkv = k.shape[1]
     cache_dtype = kv.k.dtype
@@ -299,7 +300,7 @@ def rotary_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
     if not ok:
         q, k = rotary(q, k, positions, cos_sin)
         write_kv(kv, k, v, slot_mapping)
-        return q
+        return q if q_out is None else q_out.copy_(q)
     positions = positions.to(torch.int64).contiguous()
     slots = slot_mapping.to(torch.int64).contiguous()
     cos_sin = cos_sin.contiguous()

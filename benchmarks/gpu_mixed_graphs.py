@@ -1,7 +1,7 @@
 """Mixed-step graphs against eager mixed steps, offline, in one run: a
 Llama-3-8B-shaped model with random weights serves ShareGPT-like requests
-(benchmarks/gpu_engine.py) with `mixed_graph_tokens` 0 (the default: steps
-with prefill launched op by op) and 2048 (their pieces replayed between the
+(benchmarks/gpu_engine.py) with `mixed_graph_tokens` 0 (steps with prefill
+launched op by op) and 2048 (the default: their pieces replayed between the
 layers' attention launches), per mode (bf16, and FP8 with the 8-bit KV cache
 by default), each step's GPU span and host launch time recorded.
 
@@ -50,8 +50,10 @@ def main() -> None:
                                mixed_graph_tokens=tokens)
             start = time.perf_counter() - t0
             mixed = engine.runner.mixed_graphs
+            pieces = mixed.captured if mixed is not None else 0
+            del mixed  # holds captured pools: let them go with the engine
             r = run_offline(engine, work, spans=True)
-            r.update(start_s=start, mixed_graphs=mixed.captured if mixed is not None else 0)
+            r.update(start_s=start, mixed_graphs=pieces)
             results["runs"][f"{mode}, {setting}"] = r
             print(mode, setting, {k: v for k, v in r.items() if k != "step_spans"}, flush=True)
             engine.close()
@@ -60,6 +62,7 @@ def main() -> None:
             torch.cuda.empty_cache()
         del model
         gc.collect()
+        torch.cuda.empty_cache()
     (args.out / "mixed_graphs.json").write_text(json.dumps(results, indent=2) + "\n")
     runs = results["runs"]
     rows = [f"# Mixed-step graphs ({results['device']}, Llama-3-8B shape, random weights)", "",

@@ -43,9 +43,9 @@ class EngineConfig:
     # With graphs: any other step of up to N new tokens (prefill chunks beside
     # decode rows, several prompts) replays captured pieces between its
     # layers' attention launches, its tokens padded to a bucket (docs/engine.md,
-    # "Mixed-step graphs"; 0: never, the default until its offline figures
-    # are measured; 2048 is the size it is built for). Not in deterministic mode.
-    mixed_graph_tokens: int = 0
+    # "Mixed-step graphs"; 0: never). Capped at max_num_batched_tokens. Not in
+    # deterministic mode.
+    mixed_graph_tokens: int = 2048
     # With graphs: capture every bucket's graph (decode and prefill) when the
     # KV pool is allocated, so that no step waits for a capture (a device
     # synchronize and two forwards each). False: each on its first use.

@@ -23,16 +23,17 @@ if _REASON is not None:
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
-def tiny_model(tmp_path, head_dim: int, kv_heads: int, seed: int = 0) -> str:
+def tiny_model(tmp_path, head_dim: int, kv_heads: int, seed: int = 0, heads: int = 4,
+               tied: bool = False) -> str:
     torch.manual_seed(seed)
-    heads = 4
     cfg = LlamaConfig(vocab_size=512, hidden_size=heads * head_dim, intermediate_size=384,
                       num_hidden_layers=3, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                      max_position_embeddings=2048, bos_token_id=1, eos_token_id=2)
+                      max_position_embeddings=2048, bos_token_id=1, eos_token_id=2,
+                      tie_word_embeddings=tied)
     model = LlamaForCausalLM(cfg)
     with torch.no_grad():  # spread the logits so greedy picks are not near-ties
         model.lm_head.weight.mul_(20.0)
-    path = tmp_path / f"tiny-{head_dim}-{kv_heads}"
+    path = tmp_path / f"tiny-{heads}-{head_dim}-{kv_heads}{'-tied' if tied else ''}"
     model.save_pretrained(path)
     return str(path)
 
@@ -206,11 +207,14 @@ def test_mixed_graphs_give_the_eager_logits_and_kv(tmp_path, kv_dtype, quantizat
     assert graphs.captured == 3 * (cfg.num_layers + 1)  # buckets 16, 96, 320
 
 
-def test_engine_mixed_graphs_answer_like_eager(tmp_path):
+@pytest.mark.parametrize("shape", [dict(head_dim=64, kv_heads=2),
+                                   # SmolLM2's heads (9 over 3 KV heads of 64, hidden 576), tied
+                                   dict(head_dim=64, kv_heads=3, heads=9, tied=True)])
+def test_engine_mixed_graphs_answer_like_eager(tmp_path, shape):
     """A batch whose prompts prefill in chunks beside other sequences' decode
     rows, through mixed-step graphs: the greedy tokens of eager steps (a
     sequence may part late: bf16 products on padded rows round differently)."""
-    path = tiny_model(tmp_path, 64, 2)
+    path = tiny_model(tmp_path, **shape)
     params = SamplingParams(max_tokens=24, **GREEDY)
     runs, replays = {}, {}
     for tokens in (0, 2048):

@@ -134,21 +134,25 @@ class WorkerMetrics:
             self._last_counts[key] = stats[key]
 
 
-class BrokerMetrics:
-    """Every broker metric (no worker label); attribute names are the
-    catalogue's `attr` fields."""
+class _CatalogueMetrics:
+    """Every metric of one catalogue list (no worker label), registered in
+    `registry`; attribute names are the catalogue's `attr` fields."""
+
+    SPECS: tuple[MetricSpec, ...] = ()
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
-        for spec in BROKER_METRICS:
+        for spec in self.SPECS:
             setattr(self, spec.attr, _make(spec, registry))
 
 
-class GatewayMetrics:
-    """Every gateway metric (no worker label); attribute names are the
-    catalogue's `attr` fields."""
+class BrokerMetrics(_CatalogueMetrics):
+    """Every broker metric."""
 
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.registry = registry
-        for spec in GATEWAY_METRICS:
-            setattr(self, spec.attr, _make(spec, registry))
+    SPECS = BROKER_METRICS
+
+
+class GatewayMetrics(_CatalogueMetrics):
+    """Every gateway metric."""
+
+    SPECS = GATEWAY_METRICS

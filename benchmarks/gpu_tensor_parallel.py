@@ -37,7 +37,7 @@ from turbomq.worker import Engine, EngineConfig, SamplingParams
 from turbomq.worker.model import parallel
 from turbomq.worker.model.weights import Checkpoint, save_converted
 
-# (name, engine config, decode's all-reduce: "nccl", "peer", "peer-no-ll" or "peer-16m", batch
+# (name, engine config, decode's all-reduce: "nccl", "peer", "peer-no-ll" or "peer-8m", batch
 # multiple of --max-batch-size)
 CASES = [("1 GPU", dict(tensor_parallel=1), "peer", 1),
          ("1 GPU, 2x batch", dict(tensor_parallel=1), "peer", 2),
@@ -50,7 +50,7 @@ CASES = [("1 GPU", dict(tensor_parallel=1), "peer", 1),
          ("2 GPUs, peer all-reduce, 2x batch", dict(tensor_parallel=2), "peer", 2),
          ("2 GPUs, peer all-reduce, 4x batch", dict(tensor_parallel=2), "peer", 4),
          ("2 GPUs, peer all-reduce, 8x batch", dict(tensor_parallel=2), "peer", 8),
-         ("2 GPUs, peer all-reduce to 16 MiB, 8x batch", dict(tensor_parallel=2), "peer-16m", 8),
+         ("2 GPUs, peer all-reduce to 8 MiB, 8x batch", dict(tensor_parallel=2), "peer-8m", 8),
          ("2 GPUs, peer all-reduce, 16x batch", dict(tensor_parallel=2), "peer", 16)]
 # Tokens a step (max_num_batched_tokens). 2048 rather than 8192: one GPU's offline
 # figure is the same at both, two GPUs' 4-8% higher on one machine
@@ -61,11 +61,11 @@ STEP_TOKENS = 2048
 def all_reduce_mode(mode: str, peer_bytes: Optional[int] = None) -> None:
     """Small all-reduces through NCCL or peer memory ("peer-no-ll": without
     the low-latency kernel; the peer kernel takes messages up to `peer_bytes`,
-    default the engine's, or 16 MiB for "peer-16m"), here (rank 0) and in the rank processes started
+    default the engine's, or 8 MiB for "peer-8m"), here (rank 0) and in the rank processes started
     next (they read the environment)."""
     value = (0 if mode == "nccl" else
              peer_bytes if peer_bytes is not None else
-             16 << 20 if mode == "peer-16m" else parallel.PEER_ALL_REDUCE_BYTES_DEFAULT)
+             8 << 20 if mode == "peer-8m" else parallel.PEER_ALL_REDUCE_BYTES_DEFAULT)
     os.environ["TURBOMQ_PEER_ALL_REDUCE_BYTES"] = str(value)
     parallel.PEER_ALL_REDUCE_BYTES = value
     ll = str(0 if mode == "peer-no-ll" else parallel.PEER_ALL_REDUCE_LL_BYTES_DEFAULT)

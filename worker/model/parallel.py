@@ -32,15 +32,17 @@ from .ops import cuda as cuda_ops
 COLLECTIVE_TIMEOUT = timedelta(seconds=120)
 
 # All-reduces of at most this many bytes (8 KiB a row at 4096 wide: decode
-# batches and prefill chunks up to 1024 rows) go through peer memory in one
-# kernel; larger ones through NCCL. Alone the peer kernel is faster at every
-# size on 2 x H200 (docs/benchmarks/all_reduce.md: 33.7 against 58.2 us at
-# 1024 rows, 240.6 against 325.6 at 8192), but offline at 512 slots taking
-# prefill chunks' messages up to 64 MiB was slower end to end (16,929 and
-# 15,999 output tok/s against 17,845 and 17,314; docs/benchmarks/
-# tensor_parallel.md). Every rank's buffer holds two halves of this per rank.
+# batches and steps of up to 2048 tokens, the engine's default step budget)
+# go through peer memory in one kernel; larger ones through NCCL. Alone the
+# peer kernel is faster at every size on 2 x H200 (docs/benchmarks/
+# all_reduce.md: 33.7 against 58.2 us at 1024 rows, 240.6 against 325.6 at
+# 8192). Offline at 512 slots and 4000 requests, 16 MiB against 8 MiB gave
+# 20,179 against 19,910 output tok/s on one machine (steps with prefill
+# 25.17 against 25.57 ms; docs/benchmarks/tensor_parallel.md), while taking
+# 8192-token chunks' messages up to 64 MiB was slower (at a budget of 8192).
+# Every rank's buffer holds two halves of this per rank.
 # TURBOMQ_PEER_ALL_REDUCE_BYTES overrides; 0 turns it off.
-PEER_ALL_REDUCE_BYTES_DEFAULT = 8 << 20
+PEER_ALL_REDUCE_BYTES_DEFAULT = 16 << 20
 PEER_ALL_REDUCE_BYTES = int(os.environ.get("TURBOMQ_PEER_ALL_REDUCE_BYTES",
                                            str(PEER_ALL_REDUCE_BYTES_DEFAULT)))
 # Each rank pushes its partial sums into every peer's buffer (1, the

@@ -1,6 +1,8 @@
 """Tensor parallelism on the CPU backend (gloo): ranks are real processes, and
 an engine split over 2 or 4 of them gives the tokens of one that is not, with
-batching, chunked prefill, sessions and eviction pressure."""
+batching, chunked prefill, sessions and eviction pressure; greedy steps
+(the ranks reduce their argmax) and sampled ones (rank 0 gathers the logits
+and samples) alike."""
 
 from __future__ import annotations
 
@@ -15,11 +17,12 @@ from turbomq.worker.model.parallel import shard_weight
 GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
 
 
-def run(model: str, tp: int, prompts: list, counters: dict = None, **config) -> list:
+def run(model: str, tp: int, prompts: list, counters: dict = None, params=GREEDY,
+        **config) -> list:
     engine = Engine(EngineConfig(model=model, max_batch_size=4, block_size=16,
                                  max_num_batched_tokens=48, tensor_parallel=tp, **config))
     try:
-        out = [r.token_ids for r in engine.generate(input_ids=prompts, params=GREEDY)]
+        out = [r.token_ids for r in engine.generate(input_ids=prompts, params=params)]
         if counters is not None:
             counters.update(engine.counters)
         return out
@@ -39,8 +42,21 @@ def test_two_ranks_give_the_tokens_of_one(name, tmp_path):
     counters = {}
     assert run(path, 2, batch, counters) == run(path, 1, batch)
     # Steps launched before the previous step's tokens reached the host: every
-    # rank took them from rank 0's broadcast, on the device.
+    # rank took them from the device (its own argmax of the ranks' maxima).
     assert counters["overlapped_steps"] > 0
+
+
+def test_two_ranks_sample_the_tokens_of_one(tmp_path):
+    """Seeded sampling (rank 0 gathers the ranks' logits, samples, and
+    broadcasts the tokens) and a repetition penalty on greedy rows (which
+    needs the whole logits too): the tokens of one rank."""
+    _, path = make_hf_model("gqa_llama3_rope", tmp_path)
+    batch = prompts(2, 6, 250)
+    for params in (SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, seed=5,
+                                  ignore_eos=True),
+                   SamplingParams(max_tokens=16, temperature=0.0, repetition_penalty=1.3,
+                                  ignore_eos=True)):
+        assert run(path, 2, batch, params=params) == run(path, 1, batch, params=params)
 
 
 def test_four_ranks_sessions_under_eviction_pressure():

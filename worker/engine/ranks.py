@@ -35,7 +35,7 @@ log = logging.getLogger("turbomq.parallel")
 
 _STOP, _POOL, _FORWARD, _GRAPHED = 0, 1, 2, 3
 # kind, sequences, tokens, table width, pool blocks, rows sampled, rows in flight given
-_HEADER = 7
+_HEADER = 8
 
 
 class Ranks:
@@ -49,7 +49,7 @@ class Ranks:
 
     def send_pool(self, num_blocks: int) -> None:
         """How many blocks every rank's pool holds."""
-        self.channel.send(np.array([_POOL, 0, 0, 0, num_blocks, 0, 0], dtype=np.int64))
+        self.channel.send(np.array([_POOL, 0, 0, 0, num_blocks, 0, 0, 0], dtype=np.int64))
 
     def send_step(self, step: StepInputs) -> None:
         """The inputs of the forward rank 0 is about to run: one message."""
@@ -57,7 +57,7 @@ class Ranks:
         kind = _GRAPHED if step.graphed else _FORWARD
         prev = step.prev_rows or []
         header = [kind, len(step.q_lens), len(step.ids), tables.shape[1], 0, step.sampled,
-                  int(step.prev_rows is not None)]
+                  int(step.prev_rows is not None), int(step.greedy)]
         self.channel.send(np.concatenate([
             np.array(header + step.ids + step.q_lens + step.ctx_lens, dtype=np.int64),
             tables.reshape(-1), np.array(prev, dtype=np.int64)]))
@@ -65,7 +65,7 @@ class Ranks:
     def close(self) -> None:
         """Stop the other ranks, wait for them, leave the group."""
         try:
-            self.channel.send(np.array([_STOP, 0, 0, 0, 0, 0, 0], dtype=np.int64))
+            self.channel.send(np.array([_STOP, 0, 0, 0, 0, 0, 0, 0], dtype=np.int64))
         finally:
             for p in self.followers:
                 p.join(15)
@@ -79,7 +79,7 @@ class Ranks:
 def _receive(channel: StepChannel) -> Optional[Union[int, StepInputs]]:
     """Ranks > 0: the next step's inputs, the pool's block count, or None to stop."""
     message = channel.receive()
-    kind, n, t, width, blocks, sampled, in_flight = message[:_HEADER].tolist()
+    kind, n, t, width, blocks, sampled, in_flight, greedy = message[:_HEADER].tolist()
     if kind == _STOP:
         return None
     if kind == _POOL:
@@ -90,7 +90,8 @@ def _receive(channel: StepChannel) -> Optional[Union[int, StepInputs]]:
                       ctx_lens=body[t + n:t + 2 * n].tolist(),
                       tables=body[t + 2 * n:end].reshape(n, width),
                       graphed=kind == _GRAPHED,
-                      prev_rows=body[end:].tolist() if in_flight else None, sampled=sampled)
+                      prev_rows=body[end:].tolist() if in_flight else None, sampled=sampled,
+                      greedy=bool(greedy))
 
 
 def start(config: EngineConfig, model_config: ModelConfig) -> Ranks:

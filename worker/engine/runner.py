@@ -77,6 +77,10 @@ class StepInputs:
     # holds them: rank 0 broadcasts what it samples).
     prev_rows: Optional[list[int]] = None
     sampled: int = 0  # rows whose next token rank 0 samples in this step
+    # Every sampled row is greedy without a repetition penalty: the token is
+    # the argmax of its logits, so vocabulary-split ranks reduce their
+    # argmax instead of gathering the logits, and each takes the tokens itself.
+    greedy: bool = False
 
 
 @dataclass(eq=False)
@@ -131,6 +135,10 @@ class ModelRunner:
             del checkpoint
         self.model = model
         self.tp = tp
+        # Vocabulary-split logits: this runner gathers them itself, after the
+        # forward (graphs included), and only for steps that sample; greedy
+        # steps take the ranks' argmax instead (TensorParallel.argmax_columns).
+        model.defer_gather = model.gather_logits
         mc = model.config
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings,
                                  mc.max_position_embeddings)
@@ -370,11 +378,17 @@ class ModelRunner:
     def follow(self, step: StepInputs) -> None:
         """Ranks > 0: run the forward rank 0 announced, then take the tokens
         it sampled (device to device), which the next step may read."""
-        self.forward(step)
-        if step.sampled:
-            tokens = torch.empty(step.sampled, dtype=torch.long, device=self.device)
-            self.tp.broadcast(tokens)
-            self._keep_sampled(tokens)
+        logits = self.forward(step)
+        if not step.sampled:
+            return
+        if self.model.defer_gather and step.greedy:
+            self._keep_sampled(self.tp.argmax_columns(logits))
+            return
+        if self.model.defer_gather:
+            self.tp.all_gather_columns(logits)  # for rank 0's sampling
+        tokens = torch.empty(step.sampled, dtype=torch.long, device=self.device)
+        self.tp.broadcast(tokens)
+        self._keep_sampled(tokens)
 
     def _keep_sampled(self, tokens: torch.Tensor) -> None:
         """The step's sampled tokens stay on the device for the next step (and
@@ -391,9 +405,14 @@ class ModelRunner:
         logits = self.forward(step, rows)
         if not rows:
             return SampledTokens(torch.empty(0, dtype=torch.long), None)
-        tokens = sample(logits, params, rngs, histories)
-        if self.tp is not None:  # the other ranks receive them in follow()
-            self.tp.broadcast(tokens)
+        if self.model.defer_gather and step.greedy:  # every rank takes the same tokens
+            tokens = self.tp.argmax_columns(logits)
+        else:
+            if self.model.defer_gather:
+                logits = self.tp.all_gather_columns(logits)
+            tokens = sample(logits, params, rngs, histories)
+            if self.tp is not None:  # the other ranks receive them in follow()
+                self.tp.broadcast(tokens)
         self._keep_sampled(tokens)
         if self.device.type != "cuda":
             return SampledTokens(tokens, None)

@@ -59,6 +59,10 @@ class LlamaModel:
         moved: dict[tuple, torch.Tensor] = {}  # keeps tied tensors shared after the move
         # this rank's vocabulary rows of the lm_head, its logits gathered
         self.gather_logits = tp is not None and vocab_parallel(config, tp.size)
+        # Where the caller gathers them itself (the engine's runner: it takes
+        # the ranks' argmax for greedy steps instead), logits() returns this
+        # rank's columns, in the compute dtype.
+        self.defer_gather = False
 
         def take(name: str) -> torch.Tensor:
             """On the device in the compute dtype; FP8 weights and their float32
@@ -152,9 +156,13 @@ class LlamaModel:
 
     def logits(self, residual: torch.Tensor, logits_indices: torch.Tensor | slice,
                out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """float32 logits of the final norm of residual[logits_indices] (in `out` where given)."""
+        """float32 logits of the final norm of residual[logits_indices] (in `out`
+        where given); with defer_gather, this rank's columns of them in the
+        compute dtype."""
         logits = self.ops.linear(residual[logits_indices], self.lm_head,
                                  norm=(self.norm, self.config.rms_norm_eps))
+        if self.gather_logits and self.defer_gather:
+            return logits if out is None else out.copy_(logits)
         if self.gather_logits:
             logits = self.tp.all_gather_columns(logits)
         return logits.float() if out is None else out.copy_(logits)

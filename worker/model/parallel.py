@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from .config import ModelConfig
 from .ops import cuda as cuda_ops
+from .sampler import argmax_rows
 
 # A rank that waits longer than this on a collective gives up: a peer died.
 COLLECTIVE_TIMEOUT = timedelta(seconds=120)
@@ -161,6 +162,25 @@ class TensorParallel:
         if rows:  # every rank has the same rows (the step's inputs are rank 0's)
             _all_gather_single(parts, t.contiguous())
         return parts.view(self.size, rows, cols).transpose(0, 1).reshape(rows, self.size * cols)
+
+    def argmax_columns(self, t: torch.Tensor) -> torch.Tensor:
+        """argmax_rows(all_gather_columns(t)), int64 [rows] on every rank,
+        without gathering t: each rank's first maximum and its value are
+        gathered (8 bytes a row and rank, where the logits take 2 per
+        vocabulary entry), and the largest value wins, ties to the lowest
+        rank, hence to the lowest column, as argmax_rows breaks them."""
+        rows, cols = t.shape
+        if self.size * cols > 1 << 24:
+            raise ValueError("argmax_columns: column ids must be exact in float32")
+        local = argmax_rows(t)
+        mine = torch.stack([t.gather(1, local[:, None])[:, 0].float(),
+                            (local + self.rank * cols).float()], dim=1)
+        parts = torch.empty((self.size * rows, 2), dtype=torch.float32, device=t.device)
+        if rows:
+            _all_gather_single(parts, mine)
+        parts = parts.view(self.size, rows, 2)
+        best = torch.argmax(parts[..., 0].transpose(0, 1), dim=1)  # first maximum: lowest rank
+        return parts[..., 1].transpose(0, 1).gather(1, best[:, None])[:, 0].long()
 
     def all_reduce_into(self, residual: torch.Tensor, partial: torch.Tensor) -> None:
         """residual += partial summed over the ranks (the sum rounded first,

@@ -34,11 +34,13 @@ import torch
 from gpu_engine import (GREEDY, LLAMA3_8B, random_tensors, run_offline, sharegpt_like, span_rows,
                         sync_time)
 from turbomq.worker import Engine, EngineConfig, SamplingParams
+from turbomq.worker.engine import runner
 from turbomq.worker.model import parallel
 from turbomq.worker.model.weights import Checkpoint, save_converted
 
-# (name, engine config, decode's all-reduce: "nccl", "peer", "peer-no-ll" or "peer-8m", batch
-# multiple of --max-batch-size)
+# (name, engine config, mode: the all-reduce "nccl", "peer", "peer-no-ll" or
+# "peer-8m", or "peer-gather": greedy steps gathering the logits as sampled
+# ones do; batch multiple of --max-batch-size)
 CASES = [("1 GPU", dict(tensor_parallel=1), "peer", 1),
          ("1 GPU, 2x batch", dict(tensor_parallel=1), "peer", 2),
          ("1 GPU, 4x batch", dict(tensor_parallel=1), "peer", 4),
@@ -51,6 +53,8 @@ CASES = [("1 GPU", dict(tensor_parallel=1), "peer", 1),
          ("2 GPUs, peer all-reduce, 4x batch", dict(tensor_parallel=2), "peer", 4),
          ("2 GPUs, peer all-reduce, 8x batch", dict(tensor_parallel=2), "peer", 8),
          ("2 GPUs, peer all-reduce to 8 MiB, 8x batch", dict(tensor_parallel=2), "peer-8m", 8),
+         ("2 GPUs, peer all-reduce, 8x batch, logits gathered", dict(tensor_parallel=2),
+          "peer-gather", 8),
          ("2 GPUs, peer all-reduce, 16x batch", dict(tensor_parallel=2), "peer", 16)]
 # Tokens a step (max_num_batched_tokens). 2048 rather than 8192: one GPU's offline
 # figure is the same at both, two GPUs' 4-8% higher on one machine
@@ -62,7 +66,8 @@ def all_reduce_mode(mode: str, peer_bytes: Optional[int] = None) -> None:
     """Small all-reduces through NCCL or peer memory ("peer-no-ll": without
     the low-latency kernel; the peer kernel takes messages up to `peer_bytes`,
     default the engine's, or 8 MiB for "peer-8m"), here (rank 0) and in the rank processes started
-    next (they read the environment)."""
+    next (they read the environment); with "peer-gather", greedy steps
+    gather the logits instead of reducing the ranks' argmax."""
     value = (0 if mode == "nccl" else
              peer_bytes if peer_bytes is not None else
              8 << 20 if mode == "peer-8m" else parallel.PEER_ALL_REDUCE_BYTES_DEFAULT)
@@ -71,6 +76,7 @@ def all_reduce_mode(mode: str, peer_bytes: Optional[int] = None) -> None:
     ll = str(0 if mode == "peer-no-ll" else parallel.PEER_ALL_REDUCE_LL_BYTES_DEFAULT)
     os.environ["TURBOMQ_PEER_ALL_REDUCE_LL_BYTES"] = ll
     parallel.PEER_ALL_REDUCE_LL_BYTES = int(ll)
+    runner.GREEDY_ARGMAX = mode != "peer-gather"  # rank 0 decides it for every rank
 
 
 def ttft_ms(engine: Engine, repeats: int = 11) -> dict:

@@ -46,6 +46,19 @@ def test_two_ranks_give_the_tokens_of_one(name, tmp_path):
     assert counters["overlapped_steps"] > 0
 
 
+def test_greedy_steps_gathering_the_logits_give_the_same_tokens(tmp_path, monkeypatch):
+    """GREEDY_ARGMAX off (rank 0 decides for every rank): greedy steps gather
+    the logits and broadcast the tokens, as sampled steps do; the tokens
+    of the argmax path."""
+    from turbomq.worker.engine import runner
+
+    _, path = make_hf_model("gqa_llama3_rope", tmp_path)
+    batch = prompts(3, 5, 250)
+    want = run(path, 2, batch)
+    monkeypatch.setattr(runner, "GREEDY_ARGMAX", False)
+    assert run(path, 2, batch) == want
+
+
 def test_two_ranks_sample_the_tokens_of_one(tmp_path):
     """Seeded sampling (rank 0 gathers the ranks' logits, samples, and
     broadcasts the tokens) and a repetition penalty on greedy rows (which

@@ -618,7 +618,7 @@ class Engine:
         width = (max(ctx_lens) + bs - 1) // bs
         rows = [i for i, item in enumerate(plan.scheduled) if item.samples]
         seqs = [plan.scheduled[i].seq for i in rows]
-        greedy = all(s.params.is_greedy and s.params.repetition_penalty == 1.0 for s in seqs)
+        greedy = self.runner.greedy_step([s.params for s in seqs])
         step = StepInputs(ids, q_lens, ctx_lens, self.kv_manager.block_tables(keys, width),
                           self._graphed(plan), prev_rows, len(rows), greedy)
         if self.ranks is not None:  # the other ranks run this forward with us

@@ -34,6 +34,10 @@ from .config import EngineConfig
 log = logging.getLogger("turbomq.engine")
 
 CPU_KV_BYTES_DEFAULT = 1 << 30  # pool cap on CPU when num_kv_blocks is not given
+# Greedy steps over vocabulary-split logits reduce the ranks' argmax
+# (StepInputs.greedy); TURBOMQ_TP_GREEDY_ARGMAX=0 gathers the logits for
+# them too, as for sampled steps (A/B runs: benchmarks/gpu_tensor_parallel.py).
+GREEDY_ARGMAX = os.environ.get("TURBOMQ_TP_GREEDY_ARGMAX", "1") != "0"
 
 
 def host_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -374,6 +378,11 @@ class ModelRunner:
         if self.mixed_graphs is not None and self.mixed_graphs.fits(len(step.ids)):
             return self.mixed_graphs.run(input_ids, batch, picked)
         return self.model.forward(input_ids, batch, self.kv_cache, picked)
+
+    @staticmethod
+    def greedy_step(params: Sequence) -> bool:
+        """StepInputs.greedy for a step sampling rows with these SamplingParams."""
+        return GREEDY_ARGMAX and all(p.is_greedy and p.repetition_penalty == 1.0 for p in params)
 
     def follow(self, step: StepInputs) -> None:
         """Ranks > 0: run the forward rank 0 announced, then take the tokens

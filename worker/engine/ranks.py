@@ -34,7 +34,8 @@ from .step_channel import ChannelClosed, StepChannel
 log = logging.getLogger("turbomq.parallel")
 
 _STOP, _POOL, _FORWARD, _GRAPHED = 0, 1, 2, 3
-# kind, sequences, tokens, table width, pool blocks, rows sampled, rows in flight given
+# kind, sequences, tokens, table width, pool blocks, rows sampled, rows in flight
+# given, greedy
 _HEADER = 8
 
 

@@ -78,7 +78,8 @@ class StepInputs:
     graphed: bool  # a decode step that a captured graph runs
     # Row i >= 0 (a decode row) takes its input token from row prev_rows[i]
     # of the previous step's sampled tokens, still on the device (every rank
-    # holds them: rank 0 broadcasts what it samples).
+    # holds them: rank 0 broadcasts what it samples, or, greedy, every rank
+    # takes the same argmax).
     prev_rows: Optional[list[int]] = None
     sampled: int = 0  # rows whose next token rank 0 samples in this step
     # Every sampled row is greedy without a repetition penalty: the token is

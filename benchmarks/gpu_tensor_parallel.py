@@ -65,9 +65,10 @@ STEP_TOKENS = 2048
 def all_reduce_mode(mode: str, peer_bytes: Optional[int] = None) -> None:
     """Small all-reduces through NCCL or peer memory ("peer-no-ll": without
     the low-latency kernel; the peer kernel takes messages up to `peer_bytes`,
-    default the engine's, or 8 MiB for "peer-8m"), here (rank 0) and in the rank processes started
-    next (they read the environment); with "peer-gather", greedy steps
-    gather the logits instead of reducing the ranks' argmax."""
+    default the engine's, or 8 MiB for "peer-8m"), here (rank 0) and in the
+    rank processes started next (they read the environment); with
+    "peer-gather", greedy steps gather the logits instead of reducing the
+    ranks' argmax."""
     value = (0 if mode == "nccl" else
              peer_bytes if peer_bytes is not None else
              8 << 20 if mode == "peer-8m" else parallel.PEER_ALL_REDUCE_BYTES_DEFAULT)

@@ -618,13 +618,14 @@ class Engine:
         width = (max(ctx_lens) + bs - 1) // bs
         rows = [i for i, item in enumerate(plan.scheduled) if item.samples]
         seqs = [plan.scheduled[i].seq for i in rows]
-        greedy = self.runner.greedy_step([s.params for s in seqs])
+        params = [s.params for s in seqs]
         step = StepInputs(ids, q_lens, ctx_lens, self.kv_manager.block_tables(keys, width),
-                          self._graphed(plan), prev_rows, len(rows), greedy)
+                          self._graphed(plan), prev_rows, len(rows),
+                          self.runner.greedy_step(params))
         if self.ranks is not None:  # the other ranks run this forward with us
             self.ranks.send_step(step)
         reqs = [self._live[s.request_id] for s in seqs]
-        tokens = self.runner.launch(step, rows, [s.params for s in seqs], [r.rng for r in reqs],
+        tokens = self.runner.launch(step, rows, params, [r.rng for r in reqs],
                                     [s.tokens for s in seqs])
         return _Launched(plan, seqs, tokens, step.graphed)
 

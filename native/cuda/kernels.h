@@ -229,9 +229,11 @@ void paged_attention(const AttentionArgs& args);
 
 // Prefill (Q of many rows per sequence) over a 16-bit or INT8 cache,
 // FlashAttention-2 style: `tiles` lists (sequence, 64-row tile) pairs,
-// num_tiles of them; split-K as paged_attention's (num_parts partitions of
-// partition_size keys, a multiple of 64; partials of 64-row tiles, combined
-// by the last block when `counters` is given, else by a second kernel).
+// num_tiles of them; split-K as paged_attention's, except that each tile
+// cuts its own keys into the num_parts partitions (in 64-key tiles, at
+// least partition_size keys each, a multiple of 64); partials of 64-row
+// tiles, combined by the last block when `counters` is given, else by a
+// second kernel.
 // Same result as paged_attention up to the order of the sums.
 // set_prefill_attention_wgmma(true) runs the same tiles on Hopper's wgmma
 // (a warpgroup per tile, Q and K/V in 128-byte-swizzled shared memory).

@@ -19,7 +19,9 @@
 // are widened, exactly (|x| <= 127), into one 16-bit tile before the MMAs;
 // the K scale multiplies S, the V scale P (after the row sum), as in
 // attention.cu. Head_dim 64 or 128. Split-K over long histories: with
-// num_parts > 1, block z of a tile reads keys [z P, (z + 1) P) only and
+// num_parts > 1, a tile's keys are cut into num_parts partitions of P keys
+// (its own key count over num_parts in 64-key tiles, at least
+// partition_size), and block z of the tile reads keys [z P, (z + 1) P) only and
 // writes its normalized partial rows, max and sum; the last block of the
 // tile to finish (or a second kernel) combines them in partition order, as
 // attention.cu does (paged_batch.cuh). The caller takes it for prefill
@@ -43,7 +45,7 @@ constexpr int kTileKeys = 64;
 struct Params : PagedBatch {
   const float* k_scale;  // INT8 KV: per-token scales [blocks, KV heads, block size]
   const float* v_scale;
-  int partition_size, num_parts;  // keys per partition (a multiple of 64), partitions
+  int partition_size, num_parts;  // least keys a partition (a multiple of 64), partitions
   Partials part;                  // num_parts > 1: [tiles][KV heads][parts][64 rows]
   int* counters;                  // [tiles * KV heads] or null: combine in a second kernel
 };
@@ -83,8 +85,11 @@ __device__ __forceinline__ Tile tile_of(const Params& p) {
   b.t_begin = 0;
   b.t_end = b.tiles;
   if (p.num_parts > 1) {
-    const int per_part = p.partition_size / kTileKeys;
-    b.parts = (b.keys_last + p.partition_size - 1) / p.partition_size;
+    // The tile's own keys spread over the launch's partitions, at least
+    // partition_size keys each: a graph captured for its bucket's longest
+    // context splits a shorter one as finely as an eager launch would.
+    const int per_part = max(p.partition_size / kTileKeys, (b.tiles + p.num_parts - 1) / p.num_parts);
+    b.parts = (b.tiles + per_part - 1) / per_part;
     b.t_begin = blockIdx.z * per_part;
     b.t_end = min(b.t_begin + per_part, b.tiles);
   }

@@ -115,20 +115,33 @@ def test_linear_invariant_silu_cpu_fallback():
         assert torch.equal(InvariantOps(ref).linear(x, w, silu=True), want)
 
 
-def test_prefill_partitions_split_only_what_does_not_fill_the_gpu():
-    """The prefill kernel splits over keys only when its blocks would not
-    fill the GPU twice over, into partitions of >= PREFILL_MIN_PARTITION keys
-    (multiples of 64) that cover the longest context."""
+def test_prefill_partitions_keep_the_launch_to_one_wave():
+    """The prefill kernel splits over keys only where its blocks would fill
+    under half a wave, into as many partitions as keep the launch within one
+    wave of `per_sm` blocks an SM, each of at least PREFILL_MIN_PARTITION
+    keys (a multiple of 64) of the longest context."""
     from turbomq.worker.model.ops import cuda as cuda_ops
 
     plan = cuda_ops.plan_prefill_partitions
+    least = cuda_ops.PREFILL_MIN_PARTITION
     assert plan(264, 8192, 132) == (0, 1)  # a long fresh prompt: its tiles fill the GPU
+    assert plan(512, 8192, 132, per_sm=3) == (0, 1)  # a 1024-token chunk
     assert plan(1000, 100, 132) == (0, 1)
-    size, parts = plan(64, 8320, 132)  # a 128-token turn on an 8k session, 8 KV heads
-    assert parts > 1 and size % 64 == 0 and size >= cuda_ops.PREFILL_MIN_PARTITION
-    assert (parts - 1) * size < 8320 <= parts * size
-    assert 64 * parts >= 2 * 132 or size == cuda_ops.PREFILL_MIN_PARTITION
+    # A 129-row turn on an 8k session, 8 KV heads: 9 tiles x 8 KV heads.
+    assert plan(72, 8192, 132, per_sm=3) == (least, 5)  # 360 blocks <= 396
+    assert plan(72, 8192, 132, per_sm=2) == (least, 3)  # 216 blocks <= 264
+    assert plan(72, 16384, 132, per_sm=3) == (least, 5)
     assert plan(64, 300, 132) == (0, 1)  # too few keys to split into 512-key parts
+    assert plan(64, 1100, 132) == (least, 3)
+    for blocks in range(1, 400):
+        for per_sm in (2, 3):
+            size, parts = plan(blocks, 8320, 132, per_sm)
+            if parts == 1:
+                assert size == 0 and 2 * blocks > per_sm * 132
+                continue
+            assert size == least and least % 64 == 0
+            assert parts * least < 8320 + least  # each partition holds its least keys
+            assert blocks * parts <= per_sm * 132  # one wave
 
 
 def test_attention_lengths_are_converted_once_a_step_and_split_by_prompt_length():

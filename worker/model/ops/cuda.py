@@ -593,6 +593,11 @@ PREFILL_ATTENTION = os.environ.get("TURBOMQ_PREFILL_ATTENTION", "1") == "1"
 # On Hopper it runs on wgmma (PREFILL_WGMMA) with TMA loads (PREFILL_TMA).
 PREFILL_MIN_Q_LEN = 64
 PREFILL_MIN_PARTITION = 512  # keys per split-K partition of the prefill kernel, at least
+# The prefill kernel's blocks resident on an SM: registers allow two on
+# mma.sync (236 a thread), three on wgmma (capped to fit; 65 KiB of shared
+# memory each).
+PREFILL_BLOCKS_PER_SM = 2
+PREFILL_BLOCKS_PER_SM_WGMMA = 3
 
 _SM_COUNT: dict[int, int] = {}
 
@@ -699,20 +704,28 @@ def plan_partitions(blocks: int, max_context: int, sm_count: int,
     return partition_size, -(-max_context // partition_size)
 
 
-def plan_prefill_partitions(blocks: int, max_context: int, sm_count: int) -> tuple[int, int]:
-    """(partition_size, num_parts) for the prefill kernel: one partition when
-    its (64-row tile, KV head) blocks fill the GPU twice over (two blocks fit
-    an SM), else enough partitions to, each of at least
-    PREFILL_MIN_PARTITION keys (a 128-token turn on a long session)."""
+def prefill_blocks_per_sm() -> int:
+    """The prefill kernel's blocks resident on an SM, on the form it runs."""
+    return PREFILL_BLOCKS_PER_SM_WGMMA if _k.prefill_attention_wgmma() else PREFILL_BLOCKS_PER_SM
+
+
+def plan_prefill_partitions(blocks: int, max_context: int, sm_count: int,
+                            per_sm: int = 2) -> tuple[int, int]:
+    """(least keys a partition, partitions) for the prefill kernel, whose
+    blocks fit `per_sm` to an SM: as many partitions as keep the (64-row
+    tile, KV head, partition) blocks within one wave, each of at least
+    PREFILL_MIN_PARTITION keys of the longest context (a 128-token turn on a
+    long session); one partition where the blocks alone fill half a wave or
+    more. The kernel cuts each tile's own keys into the partitions. Within
+    the wave the busiest SM runs `per_sm` blocks whatever their count, so
+    the most partitions make the launch shortest; past it, blocks run after
+    the wave, and each partition has a fixed cost (its queries' load, its
+    partial rows, their combine) (docs/benchmarks/prefill_partitions.md)."""
     align = _k.ATTENTION_PARTITION_ALIGN if _k is not None else 64
     blocks, max_context = max(1, blocks), max(1, max_context)
-    parts = -(-2 * sm_count // blocks)
-    if parts <= 1:
-        return 0, 1
-    size = max(PREFILL_MIN_PARTITION, -(-max_context // parts))
-    size = -(-size // align) * align
-    parts = -(-max_context // size)
-    return (size, parts) if parts > 1 else (0, 1)
+    least = -(-PREFILL_MIN_PARTITION // align) * align
+    parts = min(per_sm * sm_count // blocks, -(-max_context // least))
+    return (least, parts) if parts > 1 else (0, 1)
 
 
 def _attention_native(q: torch.Tensor, kv: LayerKV) -> bool:
@@ -754,7 +767,8 @@ def paged_attention(q: torch.Tensor, kv: LayerKV, batch: AttentionBatch, scale: 
         # attention.cu, into the other rows of the same output.
         tiles, num_tiles = _tiles(batch, nh // nkv, q.device, _k.PREFILL_TILE_ROWS, "long")
         part_size, parts = plan_prefill_partitions(
-            num_tiles * nkv, _max_context(batch, "long"), _sm_count(q.device))
+            num_tiles * nkv, _max_context(batch, "long"), _sm_count(q.device),
+            prefill_blocks_per_sm())
         partials, counters = _partials(q.device, num_tiles * nkv, parts,
                                        _k.PREFILL_TILE_ROWS, d, fused_combine)
         out = _launch_attention(out, q, kv, batch, scale, tiles, num_tiles, part_size, parts,

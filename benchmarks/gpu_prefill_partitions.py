@@ -1,0 +1,102 @@
+"""The prefill-attention kernel's split-K partitions, swept: for a short
+turn over a long history (129 new tokens over 4k, 8k, 16k keys) and a
+1024-token chunk, µs a call at each number of partitions, beside the
+planner's choice (plan_prefill_partitions), Llama-3-8B heads (32 query, 8
+KV, head_dim 128), bf16, 64-token blocks through a shuffled block table.
+Every plan's output is checked against the planner's (the partitions only
+change the order of the sums).
+
+    python benchmarks/gpu_prefill_partitions.py --out DIR
+
+Timing: CUDA graphs of 5 calls, median of 10 replays (gpu_kernels.time_graph).
+Writes prefill_partitions.md and prefill_partitions.json into DIR.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+from pathlib import Path
+
+import torch
+
+from turbomq.worker.model.ops import cuda as cuda_ops
+from turbomq.worker.model.ops.attention_batch import AttentionBatch
+
+_spec = importlib.util.spec_from_file_location("gpu_kernels",
+                                               Path(__file__).with_name("gpu_kernels.py"))
+gpu_kernels = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(gpu_kernels)
+H, KV, D = gpu_kernels.NUM_HEADS, gpu_kernels.NUM_KV_HEADS, gpu_kernels.HEAD_DIM
+CASES = [("turn on 4k", 129, 4096), ("turn on 8k", 129, 8192), ("turn on 16k", 129, 16384),
+         ("1024 over 7k", 1024, 8192)]
+PARTS = [1, 2, 3, 4, 5, 6, 7, 8, 10, 11, 12, 14, 16, 22, 32]
+
+
+def bench_case(name: str, n: int, ctx: int) -> dict:
+    kv, batches = gpu_kernels.make_pools(1, ctx, torch.bfloat16, 1)
+    tables = batches[0].block_tables.cpu().numpy()
+    batch = AttentionBatch.build([n], [ctx], tables, gpu_kernels.BLOCK, device="cuda")
+    q = torch.randn((n, H, D), dtype=torch.bfloat16, device="cuda")
+    flops = 4 * sum(ctx - n + i + 1 for i in range(n)) * H * D
+    planner = cuda_ops.plan_prefill_partitions
+    call = lambda i: cuda_ops.paged_attention(q, kv, batch, D ** -0.5)  # noqa: E731
+    planned = planner(-(-n * (H // KV) // 64) * KV, ctx, cuda_ops._sm_count(q.device),
+                      cuda_ops.prefill_blocks_per_sm())
+    want = call(0).float()
+    row = {"case": name, "new": n, "keys": ctx, "planned": list(planned), "plans": []}
+    try:
+        for parts in PARTS:
+            size = -(-(-(-ctx // 64)) // parts) * 64  # the kernel's cut: 64-key tiles
+            if parts > 1 and -(-ctx // size) != parts:
+                continue  # the same partitions as a smaller count
+            plan = (0, 1) if parts == 1 else (64, parts)
+            cuda_ops.plan_prefill_partitions = lambda *_, plan=plan: plan
+            err = (call(0).float() - want).abs().max().item()
+            t = gpu_kernels.time_graph(call, calls=5, reps=10)
+            row["plans"].append({"parts": parts, "size": size, "us": t * 1e6,
+                                 "TFLOPs": flops / t / 1e12, "max_abs_diff": err})
+            print(name, parts, f"{t * 1e6:.1f} us", f"diff {err:.2e}", flush=True)
+    finally:
+        cuda_ops.plan_prefill_partitions = planner
+    return row
+
+
+def markdown(device: str, sm: int, rows: list[dict]) -> str:
+    lines = [f"# Prefill attention's split-K partitions ({device}, {sm} SMs)", "",
+             "`python benchmarks/gpu_prefill_partitions.py --out DIR`: µs a call (TFLOP/s",
+             "of the causal work) at each number of partitions; **bold**: the planner's.", ""]
+    for r in rows:
+        lines += [f"## {r['case']}: {r['new']} new tokens over {r['keys']} keys", "",
+                  "| partitions | keys each | µs | TFLOP/s | max abs diff to the planner's |",
+                  "| ---: | ---: | ---: | ---: | ---: |"]
+        for p in r["plans"]:
+            mark = "**" if p["parts"] == r["planned"][1] else ""
+            lines.append(f"| {mark}{p['parts']}{mark} | {p['size']} | {p['us']:.1f} "
+                         f"| {p['TFLOPs']:.0f} | {p['max_abs_diff']:.1e} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="docs/benchmarks")
+    args = ap.parse_args()
+    reason = cuda_ops.unavailable_reason()
+    if reason:
+        raise SystemExit(f"cannot benchmark: {reason}")
+    torch.manual_seed(0)
+    device, sm = torch.cuda.get_device_name(), cuda_ops._sm_count(torch.device("cuda"))
+    rows = [bench_case(*case) for case in CASES]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "prefill_partitions.json").write_text(
+        json.dumps({"device": device, "sm_count": sm, "cases": rows}, indent=2) + "\n")
+    text = markdown(device, sm, rows)
+    (out / "prefill_partitions.md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

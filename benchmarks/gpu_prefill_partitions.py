@@ -6,7 +6,7 @@ KV, head_dim 128), bf16, 64-token blocks through a shuffled block table.
 Every plan's output is checked against the planner's (the partitions only
 change the order of the sums).
 
-    python benchmarks/gpu_prefill_partitions.py --out DIR
+    python benchmarks/gpu_prefill_partitions.py --out DIR [--cases 8k ...]
 
 Timing: CUDA graphs of 5 calls, median of 10 replays (gpu_kernels.time_graph).
 Writes prefill_partitions.md and prefill_partitions.json into DIR.
@@ -82,13 +82,16 @@ def markdown(device: str, sm: int, rows: list[dict]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="docs/benchmarks")
+    ap.add_argument("--cases", nargs="*", default=None,
+                    help="run only the cases whose names contain one of these")
     args = ap.parse_args()
     reason = cuda_ops.unavailable_reason()
     if reason:
         raise SystemExit(f"cannot benchmark: {reason}")
     torch.manual_seed(0)
     device, sm = torch.cuda.get_device_name(), cuda_ops._sm_count(torch.device("cuda"))
-    rows = [bench_case(*case) for case in CASES]
+    rows = [bench_case(*case) for case in CASES
+            if args.cases is None or any(c in case[0] for c in args.cases)]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "prefill_partitions.json").write_text(

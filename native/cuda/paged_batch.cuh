@@ -64,20 +64,30 @@ struct Partials {
   std::int64_t rows;  // where the sums start in ml
 };
 
+// Partitions whose weights combine_partials keeps in shared memory; with
+// more, it reads each partition's max and sum again for every output.
+constexpr int kCombineParts = 8;
+
 // Combines `parts` partitions of the tile rows [0, rows) (row r is query
 // (row0 + r) / group, head kvh * group + (row0 + r) % group of the sequence
 // starting at q_start) in index order: partition q weighs sum_q *
 // 2^(max_q - M); partitions with no visible key (sum 0) are skipped. Loads go
 // through L2 (__ldcg): in the fused path other blocks wrote them. All
-// kThreadsT threads of the block call it.
+// kThreadsT threads of the block call it. Up to kCombineParts partitions,
+// each row's weights are worked out once, and a thread issues the partial
+// rows' loads of two outputs at once: the combine is a few L2 round trips,
+// not two a partition and output, which on a short turn over a long history
+// left the tile's last block running alone for microseconds.
 template <typename T, int D, int kRowsT, int kThreadsT>
 __device__ __forceinline__ void combine_partials(const PagedBatch& p, const Partials& part,
                                                  std::int64_t prow0, int parts, int row0,
                                                  int rows, int q_start, int kvh) {
   __shared__ float s_max[kRowsT], s_inv[kRowsT];
+  __shared__ float s_w[kRowsT][kCombineParts];
   const float* ml = part.ml;
   const float* ll = part.ml + part.rows;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const bool few = parts <= kCombineParts;
   // Row r's largest max over partitions with keys, and 1 / total weight.
   for (int r = warp; r < rows; r += kThreadsT / 32) {
     float mx = -INFINITY;
@@ -91,7 +101,9 @@ __device__ __forceinline__ void combine_partials(const PagedBatch& p, const Part
     for (int q = lane; q < parts; q += 32) {
       const std::int64_t prow = prow0 + q * kRowsT + r;
       const float lq = __ldcg(ll + prow), mq = __ldcg(ml + prow);
-      if (lq > 0.0f) sum += lq * exp2f(mq - mx);
+      const float wt = lq > 0.0f ? lq * exp2f(mq - mx) : 0.0f;
+      if (few) s_w[r][q] = wt;
+      sum += wt;
     }
     sum = warp_sum(sum);
     if (lane == 0) {
@@ -101,6 +113,50 @@ __device__ __forceinline__ void combine_partials(const PagedBatch& p, const Part
   }
   __syncthreads();
   constexpr int kVec = D / 4;
+  auto store = [&](int r, int c4, const float (&o)[4]) {
+    const float inv = s_inv[r];
+    const int qi = (row0 + r) / p.group;
+    const int head = kvh * p.group + (row0 + r) % p.group;
+    T* out = static_cast<T*>(p.out) +
+             (static_cast<std::int64_t>(q_start + qi) * p.num_heads + head) * D + 4 * c4;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) out[e] = from_float<T>(o[e] * inv);
+  };
+  if (few) {
+    constexpr int kAtOnce = 2;  // outputs a thread loads together
+    for (int base = threadIdx.x; base < rows * kVec; base += kAtOnce * kThreadsT) {
+      float4 v[kAtOnce][kCombineParts];
+#pragma unroll
+      for (int k = 0; k < kAtOnce; ++k) {
+        const int idx = base + k * kThreadsT, r = idx / kVec, c4 = idx % kVec;
+#pragma unroll
+        for (int q = 0; q < kCombineParts; ++q) {
+          if (idx < rows * kVec && q < parts) {
+            v[k][q] = __ldcg(reinterpret_cast<const float4*>(
+                                 part.o + (prow0 + q * kRowsT + r) * D) + c4);
+          }
+        }
+      }
+#pragma unroll
+      for (int k = 0; k < kAtOnce; ++k) {
+        const int idx = base + k * kThreadsT, r = idx / kVec, c4 = idx % kVec;
+        if (idx >= rows * kVec) continue;
+        float o[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+        for (int q = 0; q < kCombineParts; ++q) {
+          if (q < parts) {
+            const float wt = s_w[r][q];
+            o[0] += wt * v[k][q].x;
+            o[1] += wt * v[k][q].y;
+            o[2] += wt * v[k][q].z;
+            o[3] += wt * v[k][q].w;
+          }
+        }
+        store(r, c4, o);
+      }
+    }
+    return;
+  }
   for (int idx = threadIdx.x; idx < rows * kVec; idx += kThreadsT) {
     const int r = idx / kVec, c4 = idx % kVec;
     const float mx = s_max[r];
@@ -116,13 +172,7 @@ __device__ __forceinline__ void combine_partials(const PagedBatch& p, const Part
       o[2] += wt * v.z;
       o[3] += wt * v.w;
     }
-    const float inv = s_inv[r];
-    const int qi = (row0 + r) / p.group;
-    const int head = kvh * p.group + (row0 + r) % p.group;
-    T* out = static_cast<T*>(p.out) +
-             (static_cast<std::int64_t>(q_start + qi) * p.num_heads + head) * D + 4 * c4;
-#pragma unroll
-    for (int e = 0; e < 4; ++e) out[e] = from_float<T>(o[e] * inv);
+    store(r, c4, o);
   }
 }
 

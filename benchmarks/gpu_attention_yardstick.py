@@ -28,24 +28,19 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from turbomq.worker.model.ops import cuda as cuda_ops
-from turbomq.worker.model.ops.attention_batch import AttentionBatch
 
 _spec = importlib.util.spec_from_file_location("gpu_kernels",
                                                Path(__file__).with_name("gpu_kernels.py"))
 gpu_kernels = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(gpu_kernels)
 H, KV, D = gpu_kernels.NUM_HEADS, gpu_kernels.NUM_KV_HEADS, gpu_kernels.HEAD_DIM
-CASES = [("turn on 4k", 129, 4096), ("turn on 8k", 129, 8192), ("turn on 16k", 129, 16384),
-         ("1024 over 7k", 1024, 8192)]
+CASES = gpu_kernels.HISTORY_CASES
 BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}
 
 
 def bench_case(name: str, n: int, ctx: int) -> dict:
     hist = ctx - n
-    kv, batches = gpu_kernels.make_pools(1, ctx, torch.bfloat16, 1)
-    tables = batches[0].block_tables.cpu().numpy()
-    batch = AttentionBatch.build([n], [ctx], tables, gpu_kernels.BLOCK, device="cuda")
-    q = torch.randn((n, H, D), dtype=torch.bfloat16, device="cuda")
+    q, kv, batch = gpu_kernels.history_case(n, ctx)
     flops = 4 * sum(hist + i + 1 for i in range(n)) * H * D
     row = {"case": name, "new": n, "keys": ctx}
     t = gpu_kernels.time_graph(lambda i: cuda_ops.paged_attention(q, kv, batch, D ** -0.5),

@@ -102,6 +102,23 @@ def make_pools(batch: int, ctx: int, kv_dtype: torch.dtype, copies: int):
     return kv, batches
 
 
+# New tokens over a history (a 128-token turn on 4k, 8k and 16k sessions,
+# 129 rows with the reply's last token; a 1024-token chunk over 7k): the
+# shapes of gpu_attention_yardstick.py and gpu_prefill_partitions.py.
+HISTORY_CASES = [("turn on 4k", 129, 4096), ("turn on 8k", 129, 8192),
+                 ("turn on 16k", 129, 16384), ("1024 over 7k", 1024, 8192)]
+
+
+def history_case(n: int, ctx: int):
+    """(q, kv, batch): n new bf16 query rows over ctx keys of one sequence,
+    its K/V in random non-contiguous blocks."""
+    kv, batches = make_pools(1, ctx, torch.bfloat16, 1)
+    tables = batches[0].block_tables.cpu().numpy()
+    batch = AttentionBatch.build([n], [ctx], tables, BLOCK, device=DEV)
+    q = torch.randn((n, NUM_HEADS, HEAD_DIM), dtype=torch.bfloat16, device=DEV)
+    return q, kv, batch
+
+
 def attention_bytes(batch: int, ctx: int, kv_dtype: torch.dtype) -> int:
     elem = 1 if kv_dtype == torch.int8 else 2
     per_token = NUM_KV_HEADS * (HEAD_DIM * elem + (4 if kv_dtype == torch.int8 else 0)) * 2

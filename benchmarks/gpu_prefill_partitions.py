@@ -15,30 +15,24 @@ Writes prefill_partitions.md and prefill_partitions.json into DIR.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import torch
 
-from turbomq.worker.model.ops import cuda as cuda_ops
-from turbomq.worker.model.ops.attention_batch import AttentionBatch
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu_kernels  # noqa: E402
 
-_spec = importlib.util.spec_from_file_location("gpu_kernels",
-                                               Path(__file__).with_name("gpu_kernels.py"))
-gpu_kernels = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(gpu_kernels)
+from turbomq.worker.model.ops import cuda as cuda_ops  # noqa: E402
+
 H, KV, D = gpu_kernels.NUM_HEADS, gpu_kernels.NUM_KV_HEADS, gpu_kernels.HEAD_DIM
-CASES = [("turn on 4k", 129, 4096), ("turn on 8k", 129, 8192), ("turn on 16k", 129, 16384),
-         ("1024 over 7k", 1024, 8192)]
+CASES = gpu_kernels.HISTORY_CASES
 PARTS = [1, 2, 3, 4, 5, 6, 7, 8, 10, 11, 12, 14, 16, 22, 32]
 
 
 def bench_case(name: str, n: int, ctx: int) -> dict:
-    kv, batches = gpu_kernels.make_pools(1, ctx, torch.bfloat16, 1)
-    tables = batches[0].block_tables.cpu().numpy()
-    batch = AttentionBatch.build([n], [ctx], tables, gpu_kernels.BLOCK, device="cuda")
-    q = torch.randn((n, H, D), dtype=torch.bfloat16, device="cuda")
+    q, kv, batch = gpu_kernels.history_case(n, ctx)
     flops = 4 * sum(ctx - n + i + 1 for i in range(n)) * H * D
     planner = cuda_ops.plan_prefill_partitions
     call = lambda i: cuda_ops.paged_attention(q, kv, batch, D ** -0.5)  # noqa: E731

@@ -21,8 +21,8 @@
 // attention.cu. Head_dim 64 or 128. Split-K over long histories: with
 // num_parts > 1, a tile's keys are cut into num_parts partitions of P keys
 // (its own key count over num_parts in 64-key tiles, at least
-// partition_size), and block z of the tile reads keys [z P, (z + 1) P) only and
-// writes its normalized partial rows, max and sum; the last block of the
+// partition_size), and block z of the tile reads keys [z P, (z + 1) P) only
+// and writes its normalized partial rows, max and sum; the last block of the
 // tile to finish (or a second kernel) combines them in partition order, as
 // attention.cu does (paged_batch.cuh). The caller takes it for prefill
 // (Q of >= 64 rows); decode stays on attention.cu.
@@ -88,7 +88,8 @@ __device__ __forceinline__ Tile tile_of(const Params& p) {
     // The tile's own keys spread over the launch's partitions, at least
     // partition_size keys each: a graph captured for its bucket's longest
     // context splits a shorter one as finely as an eager launch would.
-    const int per_part = max(p.partition_size / kTileKeys, (b.tiles + p.num_parts - 1) / p.num_parts);
+    const int per_part =
+        max(p.partition_size / kTileKeys, (b.tiles + p.num_parts - 1) / p.num_parts);
     b.parts = (b.tiles + per_part - 1) / per_part;
     b.t_begin = blockIdx.z * per_part;
     b.t_end = min(b.t_begin + per_part, b.tiles);

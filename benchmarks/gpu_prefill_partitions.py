@@ -36,7 +36,8 @@ def bench_case(name: str, n: int, ctx: int) -> dict:
     flops = 4 * sum(ctx - n + i + 1 for i in range(n)) * H * D
     planner = cuda_ops.plan_prefill_partitions
     call = lambda i: cuda_ops.paged_attention(q, kv, batch, D ** -0.5)  # noqa: E731
-    planned = planner(-(-n * (H // KV) // 64) * KV, ctx, cuda_ops._sm_count(q.device),
+    tiles = -(-n * (H // KV) // cuda_ops._k.PREFILL_TILE_ROWS)
+    planned = planner(tiles * KV, ctx, cuda_ops._sm_count(q.device),
                       cuda_ops.prefill_blocks_per_sm())
     want = call(0).float()
     row = {"case": name, "new": n, "keys": ctx, "planned": list(planned), "plans": []}

@@ -26,7 +26,6 @@ import gc
 import sys
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import sdpa_kernel
@@ -34,12 +33,9 @@ from torch.nn.attention import sdpa_kernel
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_attention_yardstick as yardstick  # noqa: E402
 import gpu_kernels  # noqa: E402
-from gpu_engine import (GREEDY, LLAMA3_8B, ab_engine, ceilings, multi_turn,  # noqa: E402
-                        publish, random_tensors)
-from gpu_turn_profile import HISTORY, kernels_of  # noqa: E402
+from gpu_engine import LLAMA3_8B, ceilings, publish  # noqa: E402
+from gpu_turn_profile import HISTORY, profiled_turns  # noqa: E402
 
-from turbomq.worker import SamplingParams  # noqa: E402
-from turbomq.worker.model.llama import LlamaModel  # noqa: E402
 from turbomq.worker.model.ops import cuda as cuda_ops  # noqa: E402
 
 H, KV, D = yardstick.H, yardstick.KV, yardstick.D
@@ -103,29 +99,12 @@ def attention_rates() -> list[dict]:
 def engine_turns() -> dict:
     """The turn on a resident 8k session and the fresh turn: wall-clock
     medians, and one profiled turn of each (total and attention kernel ms)."""
-    model = LlamaModel(LLAMA3_8B, random_tensors(LLAMA3_8B), "cuda", torch.bfloat16)
-    engine = ab_engine(model, 64)
-    try:
-        times = multi_turn(engine, HISTORY)
-        print(times, flush=True)
-        rng = np.random.default_rng(7)
-        params = SamplingParams(max_tokens=1, **GREEDY)
-        history = rng.integers(1000, 120000, size=HISTORY - 64).tolist()
-        turn = rng.integers(1000, 120000, size=128).tolist()
-        engine.generate(input_ids=[history], params=SamplingParams(max_tokens=64, **GREEDY),
-                        session_id="p")
-        hit = kernels_of(lambda: engine.generate(input_ids=[turn], params=params,
-                                                 session_id="p"))
-        engine.end_session("p")
-        fresh = kernels_of(lambda: engine.generate(input_ids=[turn], params=params))
-    finally:
-        engine.close()
-        del model
-        gc.collect()
-        torch.cuda.empty_cache()
+    times, hit, fresh = profiled_turns()
+    gc.collect()  # the engine's model and pool
+    torch.cuda.empty_cache()
 
     def attention_ms(kernels: dict) -> float:
-        return sum(k["us"] for n, k in kernels.items() 
+        return sum(k["us"] for n, k in kernels.items()
                    if "prefill_attention" in n or "prefill_combine" in n) / 1e3
 
     return {**times, "hit_kernels_ms": sum(k["us"] for k in hit.values()) / 1e3,

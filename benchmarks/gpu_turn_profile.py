@@ -54,15 +54,14 @@ def short(name: str) -> str:
     return name[:70]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", type=Path, required=True)
-    args = ap.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
+def profiled_turns() -> tuple[dict, dict, dict]:
+    """On a fresh engine with its defaults: the turns' times (multi_turn,
+    which also captures the graphs), then the kernels of one profiled turn
+    on a resident session and of the same turn fresh."""
     model = LlamaModel(LLAMA3_8B, random_tensors(LLAMA3_8B), "cuda", torch.bfloat16)
     engine = ab_engine(model, 64)
     try:
-        times = multi_turn(engine, HISTORY)  # captures the graphs; the turns' times
+        times = multi_turn(engine, HISTORY)
         print(times, flush=True)
         rng = np.random.default_rng(7)
         params = SamplingParams(max_tokens=1, **GREEDY)
@@ -76,6 +75,15 @@ def main() -> None:
         fresh = kernels_of(lambda: engine.generate(input_ids=[turn], params=params))
     finally:
         engine.close()
+    return times, hit, fresh
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    times, hit, fresh = profiled_turns()
     names = sorted(set(hit) | set(fresh),
                    key=lambda n: -(hit.get(n, {}).get("us", 0) - fresh.get(n, {}).get("us", 0)))
     zero = {"us": 0.0, "count": 0}

@@ -38,7 +38,7 @@ def bench_case(name: str, n: int, ctx: int) -> dict:
     call = lambda i: cuda_ops.paged_attention(q, kv, batch, D ** -0.5)  # noqa: E731
     tiles = -(-n * (H // KV) // cuda_ops._k.PREFILL_TILE_ROWS)
     planned = planner(tiles * KV, ctx, cuda_ops._sm_count(q.device),
-                      cuda_ops.prefill_blocks_per_sm())
+                      cuda_ops.prefill_blocks_per_sm(q, kv))
     want = call(0).float()
     row = {"case": name, "new": n, "keys": ctx, "planned": list(planned), "plans": []}
     try:

@@ -92,6 +92,8 @@ void bind_cuda(py::module_& parent) {
   m.def("prefill_attention_wgmma", &cuda::prefill_attention_wgmma);
   m.def("set_prefill_attention_tma", &cuda::set_prefill_attention_tma, py::arg("on"));
   m.def("prefill_attention_tma", &cuda::prefill_attention_tma);
+  m.def("prefill_attention_blocks_per_sm", &cuda::prefill_attention_blocks_per_sm,
+        py::arg("head_dim"), py::arg("dtype"), py::arg("cache_dtype"), py::arg("block_size"));
   m.def(
       "gemm_invariant_tiling",
       [](std::int64_t rows, std::int64_t n_out, std::int64_t k_in, bool residual, bool silu) {

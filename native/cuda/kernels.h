@@ -245,6 +245,11 @@ bool prefill_attention_wgmma();
 // and cache_blocks is given; else by cp.async as without it.
 void set_prefill_attention_tma(bool on);
 bool prefill_attention_tma();
+// Blocks of the prefill kernel that fit on an SM of the current device, for
+// the form a launch with these arguments takes (mma.sync, wgmma, TMA): the
+// occupancy calculator's count from its registers and shared memory.
+int prefill_attention_blocks_per_sm(int head_dim, DType dtype, DType cache_dtype,
+                                    int block_size);
 constexpr int kPrefillTileRows = 64;
 
 // Rows of one tile and warps of one attention block (for the caller's sizing).

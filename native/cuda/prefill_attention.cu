@@ -720,7 +720,58 @@ void launch(const Params& p, int num_tiles, bool int8, std::int64_t cache_blocks
   }
 }
 
+// How many blocks of `kernel` with `smem` bytes of shared memory fit on an
+// SM of the current device, as the occupancy calculator counts them.
+template <typename K>
+int resident_blocks(K kernel, int smem) {
+  check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
+             "prefill_attention: shared memory opt-in");
+  int blocks = 0;
+  check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kThreads, smem),
+             "prefill_attention: occupancy");
+  return blocks;
+}
+
+// The kernel launch_tiles would take (TMA where `tma`), and its blocks an SM.
+template <typename T, int D, bool kInt8>
+int blocks_per_sm(bool tma) {
+  if (g_wgmma) {
+    if constexpr (!kInt8) {
+      if (tma) {
+        return resident_blocks(prefill_attention_wgmma_kernel<T, D, false, true>,
+                               wgmma_smem_bytes<T, D, false, true>());
+      }
+    }
+    return resident_blocks(prefill_attention_wgmma_kernel<T, D, kInt8, false>,
+                           wgmma_smem_bytes<T, D, kInt8, false>());
+  }
+  return resident_blocks(prefill_attention_kernel<T, D, kInt8>,
+                         KvTiles<T, D, kInt8, false>::kBytes);
+}
+
+template <typename T, int D>
+int blocks_per_sm(bool int8, bool tma) {
+  return int8 ? blocks_per_sm<T, D, true>(false) : blocks_per_sm<T, D, false>(tma);
+}
+
 }  // namespace
+
+int prefill_attention_blocks_per_sm(int head_dim, DType dtype, DType cache_dtype,
+                                    int block_size) {
+  require(head_dim == 64 || head_dim == 128, "prefill_attention: head_dim must be 64 or 128");
+  require(dtype == DType::kF16 || dtype == DType::kBF16,
+          "prefill_attention: q must be float16 or bfloat16");
+  const bool int8 = cache_dtype == DType::kI8;
+  require(cache_dtype == dtype || int8,
+          "prefill_attention: the cache must be INT8 or q's 16-bit dtype");
+  const bool tma = g_tma && !int8 && block_size >= kTileKeys;  // as launch_tiles takes it
+  const bool f16 = dtype == DType::kF16;
+  if (head_dim == 128) {
+    return f16 ? blocks_per_sm<__half, 128>(int8, tma)
+               : blocks_per_sm<__nv_bfloat16, 128>(int8, tma);
+  }
+  return f16 ? blocks_per_sm<__half, 64>(int8, tma) : blocks_per_sm<__nv_bfloat16, 64>(int8, tma);
+}
 
 void set_prefill_attention_wgmma(bool on) { g_wgmma = on; }
 bool prefill_attention_wgmma() { return g_wgmma; }

@@ -528,6 +528,29 @@ def test_prefill_kernel_split_over_keys(group, fused, kv_kind, bs, gen, monkeypa
     check_attention(q, kv, batch, torch.bfloat16, fused_combine=fused)
 
 
+@pytest.mark.parametrize("kv_kind", KV_KINDS)
+@pytest.mark.parametrize("bs", [16, 64])
+@pytest.mark.parametrize("d", [64, 128])
+def test_prefill_blocks_an_sm_are_the_occupancy_of_the_form_launched(d, bs, kv_kind,
+                                                                     prefill_mma):
+    """The split plan's blocks an SM come from the occupancy calculator, for
+    the form the launch takes (mma.sync, wgmma, TMA only for 16-bit KV in
+    blocks of >= 64 keys): at least one for every form, and on Hopper at
+    head_dim 128 the counts the kernels are built for (three on wgmma, two
+    on mma.sync)."""
+    kv_dtype = torch.int8 if kv_kind == "int8" else torch.bfloat16
+    q = torch.empty((1, 8, d), dtype=torch.bfloat16, device=DEV)
+    shape = (4, 2, bs, d)
+    scales = (torch.ones(shape[:-1], device=DEV),) * 2 if kv_kind == "int8" else (None, None)
+    kv = LayerKV(torch.zeros(shape, dtype=kv_dtype, device=DEV),
+                 torch.zeros(shape, dtype=kv_dtype, device=DEV), *scales)
+    per_sm = cuda_ops.prefill_blocks_per_sm(q, kv)
+    assert per_sm >= 1
+    assert cuda_ops.prefill_blocks_per_sm(q, kv) == per_sm  # asked once a form
+    if d == 128 and torch.cuda.get_device_capability() == (9, 0):
+        assert per_sm == (2 if prefill_mma == "mma.sync" else 3)
+
+
 def test_prefill_kernel_long_prompt_and_fallbacks(gen, monkeypatch, prefill_mma):
     """A 4k-token prompt on the prefill kernel; INT8 KV on it too, and forced
     partitions (deterministic mode) on attention.cu (all against the

@@ -593,13 +593,8 @@ PREFILL_ATTENTION = os.environ.get("TURBOMQ_PREFILL_ATTENTION", "1") == "1"
 # On Hopper it runs on wgmma (PREFILL_WGMMA) with TMA loads (PREFILL_TMA).
 PREFILL_MIN_Q_LEN = 64
 PREFILL_MIN_PARTITION = 512  # keys per split-K partition of the prefill kernel, at least
-# The prefill kernel's blocks resident on an SM: registers allow two on
-# mma.sync (236 a thread), three on wgmma (capped to fit; 65 KiB of shared
-# memory each).
-PREFILL_BLOCKS_PER_SM = 2
-PREFILL_BLOCKS_PER_SM_WGMMA = 3
-
 _SM_COUNT: dict[int, int] = {}
+_PREFILL_BLOCKS_PER_SM: dict[tuple, int] = {}
 
 
 def _sm_count(device: torch.device) -> int:
@@ -704,9 +699,18 @@ def plan_partitions(blocks: int, max_context: int, sm_count: int,
     return partition_size, -(-max_context // partition_size)
 
 
-def prefill_blocks_per_sm() -> int:
-    """The prefill kernel's blocks resident on an SM, on the form it runs."""
-    return PREFILL_BLOCKS_PER_SM_WGMMA if _k.prefill_attention_wgmma() else PREFILL_BLOCKS_PER_SM
+def prefill_blocks_per_sm(q: torch.Tensor, kv: LayerKV) -> int:
+    """The prefill kernel's blocks resident on an SM of q's device, for the
+    form a launch over `kv` takes (mma.sync, wgmma, TMA loads): the CUDA
+    occupancy calculator's count from the kernel's registers and shared
+    memory (two on mma.sync, three on wgmma on an H100), asked once a form."""
+    key = (q.device.index, q.shape[-1], q.dtype, kv.k.dtype, kv.block_size,
+           _k.prefill_attention_wgmma(), _k.prefill_attention_tma())
+    if key not in _PREFILL_BLOCKS_PER_SM:
+        with torch.cuda.device(q.device):
+            _PREFILL_BLOCKS_PER_SM[key] = max(1, _k.prefill_attention_blocks_per_sm(
+                q.shape[-1], _DTYPES[q.dtype], _DTYPES[kv.k.dtype], kv.block_size))
+    return _PREFILL_BLOCKS_PER_SM[key]
 
 
 def plan_prefill_partitions(blocks: int, max_context: int, sm_count: int,
@@ -768,7 +772,7 @@ def paged_attention(q: torch.Tensor, kv: LayerKV, batch: AttentionBatch, scale: 
         tiles, num_tiles = _tiles(batch, nh // nkv, q.device, _k.PREFILL_TILE_ROWS, "long")
         part_size, parts = plan_prefill_partitions(
             num_tiles * nkv, _max_context(batch, "long"), _sm_count(q.device),
-            prefill_blocks_per_sm())
+            prefill_blocks_per_sm(q, kv))
         partials, counters = _partials(q.device, num_tiles * nkv, parts,
                                        _k.PREFILL_TILE_ROWS, d, fused_combine)
         out = _launch_attention(out, q, kv, batch, scale, tiles, num_tiles, part_size, parts,

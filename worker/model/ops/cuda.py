@@ -770,9 +770,11 @@ def paged_attention(q: torch.Tensor, kv: LayerKV, batch: AttentionBatch, scale: 
         # the rest of the batch (decode rows beside a prefill chunk) on
         # attention.cu, into the other rows of the same output.
         tiles, num_tiles = _tiles(batch, nh // nkv, q.device, _k.PREFILL_TILE_ROWS, "long")
+        per_sm = batch.backend_cache.get("prefill_per_sm")  # every layer's is the same
+        if per_sm is None:
+            per_sm = batch.backend_cache["prefill_per_sm"] = prefill_blocks_per_sm(q, kv)
         part_size, parts = plan_prefill_partitions(
-            num_tiles * nkv, _max_context(batch, "long"), _sm_count(q.device),
-            prefill_blocks_per_sm(q, kv))
+            num_tiles * nkv, _max_context(batch, "long"), _sm_count(q.device), per_sm)
         partials, counters = _partials(q.device, num_tiles * nkv, parts,
                                        _k.PREFILL_TILE_ROWS, d, fused_combine)
         out = _launch_attention(out, q, kv, batch, scale, tiles, num_tiles, part_size, parts,
